@@ -1,0 +1,43 @@
+"""Every environment variable autoopt reads, in one place (prefix AUTOOPT_)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _get(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)
+
+
+def triton_interpret() -> bool:
+    """Triton kernels run on CPU tensors through the interpreter (tests, cpu-tiny)."""
+    return _get("TRITON_INTERPRET", "0") == "1"
+
+
+def registry_dir() -> Path:
+    return Path(_get("AUTOOPT_REGISTRY", str(REPO_ROOT / "kernels")))
+
+
+def runs_dir() -> Path:
+    return Path(_get("AUTOOPT_RUNS_DIR", str(REPO_ROOT / "runs")))
+
+
+def cache_dir() -> Path:
+    """Where measured ceilings and other per-machine facts are cached."""
+    return Path(_get("AUTOOPT_CACHE", str(Path.home() / ".cache" / "autoopt")))
+
+
+def demo_checkpoint_dir() -> Path:
+    return Path(_get("AUTOOPT_DEMO_CHECKPOINT", str(cache_dir() / "demo-tiny")))
+
+
+def anthropic_api_key() -> str | None:
+    # Read here only; never logged, never written to a run directory.
+    return _get("ANTHROPIC_API_KEY")
+
+
+def anthropic_base_url() -> str | None:
+    return _get("ANTHROPIC_BASE_URL")

@@ -1,0 +1,209 @@
+"""Beam-1.0 decoder, written against the op contracts in `model/ops`.
+
+Per layer (L 0-based, 52 layers, hidden H=5120, Hq=48 query / Hkv=8 KV heads of D=128):
+    x            pre-normed input [T, H] (the previous boundary's `next` norm)
+    q,k,v,g      = qkv_gate_proj(x)                 # one packed GEMM
+    q,k          = qk_norm_rope | qk_norm_ssmax     # sliding-window (RoPE) / full (NoPE + SSMax)
+    o            = attention(q,k,v) -> attn_output_gate(o, g, bias) -> o_proj
+    x, h         = norm_residual_norm(o, h, post_attn, pre_ff, 2(L+1))
+    m            = dense SwiGLU MLP (L < 3) | router + moe_experts (256 experts, top-8)
+    x, h         = norm_residual_norm(m, h, post_ff, next input norm or final norm, 2(L+1)+1)
+logits = logit_softcap(lm_head(x), 30) in FP32.
+
+Tokens are flat ([T] ids, [T] positions); an `AttentionBackend` knows how they split into
+sequences and where their keys live (no cache here; a paged KV cache in the serving runtime).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import BeamConfig, ShardSpec
+from .ops import OpTable, region
+from .ops.qk_norm_rope import inv_freq as rope_inv_freq
+from .ops.qk_norm_rope import rope_tables
+
+
+@dataclass
+class Batch:
+    """A flat batch of tokens from one or more sequences (the no-cache forward)."""
+
+    positions: torch.Tensor  # [T] int64
+    seq_bounds: Sequence[tuple[int, int]]  # [start, stop) of each sequence in the flat tokens
+
+
+class AttentionBackend(Protocol):
+    """Attention over the keys a layer can see; the runtime plugs a paged-KV backend here."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 window: int, scale: float, batch) -> torch.Tensor: ...
+
+
+class CausalAttention:
+    """No cache: every sequence attends to its own tokens through the `attention` op."""
+
+    def __init__(self, ops: OpTable) -> None:
+        self.ops = ops
+
+    def __call__(self, layer, q, k, v, window, scale, batch: Batch) -> torch.Tensor:
+        outs = []
+        for start, stop in batch.seq_bounds:
+            pos = batch.positions[start:stop]
+            outs.append(self.ops.attention(q[start:stop], k[start:stop], v[start:stop],
+                                           pos, pos, window, scale))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def _buffer(module: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    module.register_buffer(name, torch.empty(shape, dtype=dtype), persistent=False)
+
+
+class BeamLayer(nn.Module):
+    """One decoder layer's tensors at a rank's shard shapes (names follow our packed layout)."""
+
+    def __init__(self, cfg: BeamConfig, shard: ShardSpec, layer: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        hq, hkv = shard.num_attention_heads, shard.num_key_value_heads
+        self.sliding = cfg.layer_types[layer] == "sliding_attention"
+        self.dense = cfg.mlp_layer_types[layer] == "dense"
+        for name in ("input_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm"):
+            _buffer(self, name, (h,), dtype)
+        _buffer(self, "qkv_gate_weight", ((2 * hq + 2 * hkv) * d, h), dtype)
+        _buffer(self, "gate_bias", (hq,), dtype)
+        _buffer(self, "q_norm", (d,), dtype)
+        _buffer(self, "k_norm", (d,), dtype)
+        _buffer(self, "o_proj", (h, hq * d), dtype)
+        if self.dense:
+            i = shard.intermediate_size
+            _buffer(self, "gate_proj", (i, h), dtype)
+            _buffer(self, "up_proj", (i, h), dtype)
+            _buffer(self, "down_proj", (h, i), dtype)
+        else:
+            e, i = shard.num_experts, shard.moe_intermediate_size
+            # The router stays FP32 whatever the model dtype (NUMERICS.md).
+            _buffer(self, "router_weight", (cfg.num_experts, h), torch.float32)
+            _buffer(self, "router_bias", (cfg.num_experts,), torch.float32)
+            _buffer(self, "experts_gate_up", (e, 2 * i, h), dtype)
+            _buffer(self, "experts_down", (e, h, i), dtype)
+
+
+class BeamForCausalLM(nn.Module):
+    """Beam at one rank's shard shapes. `model(input_ids[B,S])` -> FP32 logits [B, S, V]."""
+
+    def __init__(self, cfg: BeamConfig, shard: ShardSpec | None = None, rank: int = 0,
+                 dtype: torch.dtype = torch.bfloat16, ops: OpTable | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.shard = shard or cfg.shard(1)
+        self.rank = rank
+        self.ops = ops or OpTable()
+        self.attention_backend: AttentionBackend = CausalAttention(self.ops)
+        # Row-parallel partial sums and the vocab gather; identity at TP=1 (model/parallel.py).
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+        self.gather_vocab: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+        v, h = self.shard.vocab_size, cfg.hidden_size
+        _buffer(self, "embed_tokens", (v, h), dtype)
+        _buffer(self, "final_norm", (h,), dtype)
+        _buffer(self, "lm_head", (v, h), dtype)
+        self.layers = nn.ModuleList(BeamLayer(cfg, self.shard, i, dtype)
+                                    for i in range(cfg.num_hidden_layers))
+        theta = next((cfg.rope_theta(t) for t in cfg.layer_types if cfg.rope_theta(t)), None)
+        # inv_freq is computed on the CPU in FP32 at init, as transformers does.
+        self.inv_freq = rope_inv_freq(cfg.head_dim, theta) if theta else None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    def set_ops(self, ops: OpTable) -> None:
+        self.ops = ops
+        if isinstance(self.attention_backend, CausalAttention):
+            self.attention_backend = CausalAttention(ops)
+
+    # ---- the forward --------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full causal forward of `input_ids [B, S]` (no cache) -> FP32 logits [B, S, V]."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        b, s = input_ids.shape
+        positions = torch.arange(s, device=input_ids.device).repeat(b)
+        batch = Batch(positions=positions, seq_bounds=[(i * s, (i + 1) * s) for i in range(b)])
+        hidden = self.forward_tokens(input_ids.reshape(-1), positions, batch)
+        return self.compute_logits(hidden).reshape(b, s, -1)
+
+    @torch.no_grad()
+    def forward_tokens(self, ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
+        """Decoder over flat tokens -> final-normed hidden states [T, H]."""
+        cfg, ops = self.config, self.ops
+        h = self.embed(ids)  # [T, H] residual stream, BF16
+        x = ops.rmsnorm(h, self.layers[0].input_norm, cfg.rms_norm_eps)
+        with region("rope_tables"):
+            cos, sin = (rope_tables(positions, self.inv_freq) if self.inv_freq is not None
+                        else (None, None))
+        n = len(self.layers)
+        for i, layer in enumerate(self.layers):
+            a = self.attention_block(i, layer, x, positions, cos, sin, batch)
+            x, h = ops.norm_residual_norm(a, h, layer.post_attn_norm, layer.pre_ff_norm,
+                                          cfg.attn_add_index(i), cfg.rms_norm_eps)
+            m = self.mlp_block(layer, x)
+            nxt = self.layers[i + 1].input_norm if i + 1 < n else self.final_norm
+            x, h = ops.norm_residual_norm(m, h, layer.post_ff_norm, nxt,
+                                          cfg.attn_add_index(i) + 1, cfg.rms_norm_eps)
+        return x
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        with region("embed"):
+            if self.shard.tp == 1:
+                return F.embedding(ids, self.embed_tokens)
+            v = self.shard.vocab_size
+            local = ids - self.rank * v
+            hit = (local >= 0) & (local < v)
+            out = F.embedding(local.clamp(0, v - 1), self.embed_tokens) * hit[:, None]
+            return self.all_reduce(out)
+
+    def attention_block(self, i, layer, x, positions, cos, sin, batch) -> torch.Tensor:
+        cfg, ops, shard = self.config, self.ops, self.shard
+        t = x.shape[0]
+        q, k, v, g = ops.qkv_gate_proj(x, layer.qkv_gate_weight, shard.num_attention_heads,
+                                       shard.num_key_value_heads)  # q,g [T,Hq,D]; k,v [T,Hkv,D]
+        if layer.sliding:
+            q, k = ops.qk_norm_rope(q, k, layer.q_norm, layer.k_norm, cos, sin, cfg.rms_norm_eps)
+        else:
+            q, k = ops.qk_norm_ssmax(q, k, layer.q_norm, layer.k_norm, positions, cfg.rms_norm_eps)
+        o = self.attention_backend(i, q, k, v, cfg.window(i) or 0, cfg.head_dim**-0.5, batch)
+        o = ops.attn_output_gate(o, g, layer.gate_bias)  # [T, Hq, D]
+        with region("o_proj"):
+            return self.all_reduce(F.linear(o.reshape(t, -1), layer.o_proj))
+
+    def mlp_block(self, layer: BeamLayer, x: torch.Tensor) -> torch.Tensor:
+        cfg, ops = self.config, self.ops
+        if layer.dense:
+            with region("dense_gate_up"):
+                gate, up = F.linear(x, layer.gate_proj), F.linear(x, layer.up_proj)
+            act = ops.swiglu(gate, up)  # [T, I]
+            with region("dense_down"):
+                return self.all_reduce(F.linear(act, layer.down_proj))
+        weights, ids = ops.router(x, layer.router_weight, layer.router_bias, cfg.n_group,
+                                  cfg.topk_group, cfg.num_experts_per_tok)  # [T, k] each
+        offset = self.rank * self.shard.num_experts if self.shard.ep > 1 else 0
+        out = ops.moe_experts(x, layer.experts_gate_up, layer.experts_down, weights, ids,
+                              cfg.routed_scaling_factor, offset)
+        return self.all_reduce(out)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with region("lm_head"):
+            z = self.gather_vocab(F.linear(hidden, self.lm_head))  # [T, V] BF16
+        cap = self.config.final_logit_softcapping
+        return self.ops.logit_softcap(z, cap) if cap else z.float()

@@ -1,0 +1,112 @@
+"""Operation contracts and the table through which the model calls them.
+
+`CONTRACTS` maps each registry key to its contract (reference, inputs, numerics, cost). The model
+never calls a reference directly: it calls `self.ops.<name>(...)` on an `OpTable`, which holds
+the implementation chosen for each op (the reference by default, a registry kernel when the
+runtime resolves one) and wraps every call in an NVTX range when profiling is switched on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+
+from . import (
+    attention,
+    attn_output_gate,
+    logit_softcap,
+    moe_experts,
+    norm_residual_norm,
+    qk_norm_rope,
+    qk_norm_ssmax,
+    qkv_gate_proj,
+    rmsnorm,
+    router,
+    swiglu,
+)
+from ._contract import Cost, Numerics, OpContract
+
+_MODULES = (
+    rmsnorm,
+    norm_residual_norm,
+    qkv_gate_proj,
+    qk_norm_rope,
+    qk_norm_ssmax,
+    attention,
+    attn_output_gate,
+    router,
+    moe_experts,
+    swiglu,
+    logit_softcap,
+)
+CONTRACTS: dict[str, OpContract] = {m.NAME: OpContract.from_module(m) for m in _MODULES}
+OP_NAMES: tuple[str, ...] = tuple(CONTRACTS)
+
+# Switched on by the profiler (autoopt/profiler); off, a range costs one attribute check.
+_NVTX = {"enabled": False}
+
+
+def set_nvtx(enabled: bool) -> None:
+    _NVTX["enabled"] = enabled
+
+
+@contextlib.contextmanager
+def region(name: str) -> Iterator[None]:
+    """NVTX range named `name` when profiling is on; nothing otherwise."""
+    if not _NVTX["enabled"]:
+        yield
+        return
+    import torch
+
+    torch.cuda.nvtx.range_push(name)
+    try:
+        yield
+    finally:
+        torch.cuda.nvtx.range_pop()
+
+
+def contract(name: str) -> OpContract:
+    try:
+        return CONTRACTS[name]
+    except KeyError:
+        raise ValueError(f"unknown op {name!r}; known ops: {', '.join(OP_NAMES)}") from None
+
+
+class OpTable:
+    """The implementation of every op for one model instance.
+
+    Attribute access (`table.rmsnorm`) returns the selected callable, wrapped in an NVTX range
+    named after the op when profiling is on. `sources[name]` says where it came from
+    ("reference" or "<variant> (<registry>)").
+    """
+
+    def __init__(self, impls: Mapping[str, Callable] | None = None,
+                 sources: Mapping[str, str] | None = None) -> None:
+        self._impls = {name: c.reference for name, c in CONTRACTS.items()}
+        self.sources = {name: "reference" for name in CONTRACTS}
+        for name, fn in (impls or {}).items():
+            contract(name)
+            self._impls[name] = fn
+            self.sources[name] = (sources or {}).get(name, getattr(fn, "__module__", "custom"))
+
+    def __getattr__(self, name: str) -> Callable:
+        impls = self.__dict__.get("_impls")
+        if impls is None or name not in impls:
+            raise AttributeError(name)
+        fn = impls[name]
+        if not _NVTX["enabled"]:
+            return fn
+
+        def ranged(*args, **kwargs):
+            with region(name):
+                return fn(*args, **kwargs)
+
+        return ranged
+
+    def impl(self, name: str) -> Callable:
+        contract(name)
+        return self._impls[name]
+
+
+__all__ = ["CONTRACTS", "OP_NAMES", "Cost", "Numerics", "OpContract", "OpTable", "contract",
+           "region", "set_nvtx"]

@@ -1,0 +1,118 @@
+"""moe_experts(x[T,H], gate_up[E,2I,H], down[E,H,I], weights[T,k] fp32, ids[T,k] int64, scale)
+-> [T,H]
+
+The routed experts as transformers' default `grouped_mm` backend computes them (NUMERICS.md
+"MoE combine"): per slot, gu = bf(x @ gate_up[e]^T); a = swiglu(gu[:I], gu[I:]);
+d_k = bf(a @ down[e]^T); s_k = f32(d_k) * w_k; y = bf(sum_k s_k) summed over the k slots in
+torch's dim-1 order; out = bf(f32(y) * scale) with scale = routed_scaling_factor (2.5).
+With expert parallelism `ids` may name experts this rank does not hold: pass `expert_offset`
+and the slots outside [offset, offset + E) contribute zero.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._contract import Cost, Numerics, Shape, gen, randn
+from .swiglu import reference as swiglu
+
+NAME = "moe_experts"
+SIGNATURE = (
+    "moe_experts(x[T,H] bf16, gate_up[E,2I,H] bf16, down[E,H,I] bf16, weights[T,k] fp32, "
+    "ids[T,k] int64, scale: float, expert_offset: int = 0) -> [T,H] bf16"
+)
+AXES = {"T": "tokens", "H": "hidden", "E": "experts/rank", "I": "moe intermediate/rank", "k": "top-k"}
+
+
+def expert_slots(x, gate_up, down, ids, expert_offset: int = 0) -> torch.Tensor:
+    """[T, k, H] BF16 expert outputs d_k per (token, slot); zero for experts not held here."""
+    t, k = ids.shape
+    out = torch.zeros(t, k, x.shape[1], dtype=x.dtype, device=x.device)
+    local = ids - expert_offset
+    for e in torch.unique(local).tolist():
+        if not 0 <= e < gate_up.shape[0]:
+            continue
+        tok, slot = torch.where(local == e)
+        gu = F.linear(x[tok], gate_up[e])
+        inter = gu.shape[-1] // 2
+        out[tok, slot] = F.linear(swiglu(gu[:, :inter], gu[:, inter:]), down[e])
+    return out
+
+
+def combine(slots: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
+    # BF16 d_k times FP32 w_k promotes to FP32; torch's dim-1 sum order; one rounding; then x scale.
+    y = (slots * weights.unsqueeze(-1)).sum(dim=1).to(slots.dtype)
+    return y * scale
+
+
+def reference(x, gate_up, down, weights, ids, scale: float, expert_offset: int = 0):
+    return combine(expert_slots(x, gate_up, down, ids, expert_offset), weights, scale)
+
+
+def _bf16_index_add(x, gate_up, down, weights, ids, scale, expert_offset=0):
+    # Near miss: transformers' `eager` backend: BF16 weighted outputs accumulated in BF16.
+    slots = expert_slots(x, gate_up, down, ids, expert_offset)
+    contrib = (slots.float() * weights.unsqueeze(-1)).to(x.dtype)
+    y = torch.zeros_like(x)
+    for k in range(ids.shape[1]):
+        y = y + contrib[:, k]
+    return y * scale
+
+
+def _scale_in_weights(x, gate_up, down, weights, ids, scale, expert_offset=0):
+    # Near miss: the routed scale folded into the FP32 weights (one rounding fewer).
+    slots = expert_slots(x, gate_up, down, ids, expert_offset)
+    return (slots * (weights * scale).unsqueeze(-1)).sum(dim=1).to(x.dtype)
+
+
+def _sequential_sum(x, gate_up, down, weights, ids, scale, expert_offset=0):
+    # Near miss: FP32 slot sum left to right instead of torch's order.
+    s = expert_slots(x, gate_up, down, ids, expert_offset).float() * weights.unsqueeze(-1)
+    acc = s[:, 0]
+    for k in range(1, s.shape[1]):
+        acc = acc + s[:, k]
+    return acc.to(x.dtype) * scale
+
+
+NUMERICS = Numerics(
+    kind="ulp",
+    max_ulp=1,
+    # Two GEMMs per slot: a different K order moves a small fraction of outputs by 1 ulp.
+    max_mismatch_fraction=0.02,
+    near_misses={
+        "bf16_index_add": _bf16_index_add,
+        "scale_in_weights": _scale_in_weights,
+        "sequential_sum": _sequential_sum,
+    },
+)
+
+
+def make_inputs(shape: Shape, seed: int, device="cpu", dtype=torch.bfloat16) -> tuple:
+    g = gen(seed)
+    t, h, e, i, k = shape["T"], shape["H"], shape["E"], shape["I"], shape.get("k", 8)
+    x = randn((t, h), g, dtype, device)
+    gate_up = randn((e, 2 * i, h), g, dtype, device, scale=h**-0.5)
+    down = randn((e, h, i), g, dtype, device, scale=i**-0.5)
+    # Unbalanced routing on purpose: experts drawn from a skewed distribution, distinct per token.
+    probs = torch.linspace(3.0, 0.2, e)
+    ids = torch.stack([torch.multinomial(probs, k, generator=g) for _ in range(t)]).to(device)
+    w = torch.rand((t, k), generator=g) + 0.05
+    w = (w / w.sum(-1, keepdim=True)).to(device)
+    return x, gate_up, down, w, ids, 2.5
+
+
+def cost(shape: Shape) -> Cost:
+    t, h, e, i, k = shape["T"], shape["H"], shape["E"], shape["I"], shape.get("k", 8)
+    touched = min(e, t * k)  # each touched expert's weights are read once
+    return Cost(bytes=2 * (touched * 3 * i * h + 2 * t * h) + 12 * t * k, flops=2 * t * k * 3 * i * h)
+
+
+def shapes_for(cfg, tokens: int, shard=None) -> dict[str, int]:
+    return {
+        "T": tokens,
+        "H": cfg.hidden_size,
+        "E": shard.num_experts if shard else cfg.num_experts,
+        "I": shard.moe_intermediate_size if shard else cfg.moe_intermediate_size,
+        "k": cfg.num_experts_per_tok,
+    }

@@ -1,0 +1,106 @@
+"""norm_residual_norm(branch[T,H], residual[T,H], post_weight[H], next_weight[H], add_index, eps)
+-> (normed_next[T,H], new_residual[T,H])
+
+The sandwich-norm boundary after every attention and MLP sublayer (104 per forward):
+    p  = bf(RMSNorm_post(branch))
+    h' = bf( f32(bf(f32(p)*a)) + f32(bf(f32(h)*b)) )   a = 1/sqrt(d), b = sqrt((d-1)/d)
+    n  = bf(RMSNorm_next(h'))
+with d = add_index = 2(L+1) after attention and 2(L+1)+1 after the MLP (NUMERICS.md). The
+residual stream is BF16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._contract import Cost, Numerics, Shape, gen, norm_weight, randn
+from .rmsnorm import reference as rmsnorm
+
+NAME = "norm_residual_norm"
+SIGNATURE = (
+    "norm_residual_norm(branch[T,H] bf16, residual[T,H] bf16, post_weight[H] bf16, "
+    "next_weight[H] bf16, add_index: int, eps: float) -> (normed_next[T,H], new_residual[T,H])"
+)
+AXES = {"T": "tokens (varies)", "H": "hidden size (config)", "add_index": "2..105 (depth)"}
+
+
+def residual_scales(add_index: int) -> tuple[float, float]:
+    """(branch scale a, residual scale b) for the n-th residual add, as Python floats."""
+    return 1.0 / math.sqrt(add_index), math.sqrt((add_index - 1) / add_index)
+
+
+def depth_scaled_add(branch: torch.Tensor, residual: torch.Tensor, add_index: int) -> torch.Tensor:
+    a, b = residual_scales(add_index)
+    # Each product is a BF16 tensor times a Python float: bf(f32(x) * f32(c)); then a BF16 add.
+    return branch * a + residual * b
+
+
+def reference(branch, residual, post_weight, next_weight, add_index: int, eps: float):
+    p = rmsnorm(branch, post_weight, eps)
+    h = depth_scaled_add(p, residual, add_index)
+    return rmsnorm(h, next_weight, eps), h
+
+
+def _fp32_residual_add(branch, residual, post_weight, next_weight, add_index, eps):
+    # Near miss: keep the scaled operands in FP32 and round the sum once.
+    a, b = residual_scales(add_index)
+    p = rmsnorm(branch, post_weight, eps)
+    h = (p.float() * a + residual.float() * b).to(branch.dtype)
+    return rmsnorm(h, next_weight, eps), h
+
+
+def _unrounded_branch_product(branch, residual, post_weight, next_weight, add_index, eps):
+    # Near miss: the branch product stays FP32 (as in an FMA into the rounded residual product).
+    a, b = residual_scales(add_index)
+    p = rmsnorm(branch, post_weight, eps)
+    rb = (residual.float() * b).to(branch.dtype).float()
+    h = (rb + p.float() * a).to(branch.dtype)
+    return rmsnorm(h, next_weight, eps), h
+
+
+def _next_norm_on_unrounded(branch, residual, post_weight, next_weight, add_index, eps):
+    # Near miss: feed the FP32 sum (before its BF16 rounding) into the next norm.
+    a, b = residual_scales(add_index)
+    p = rmsnorm(branch, post_weight, eps)
+    hf = (p * a).float() + (residual * b).float()
+    return rmsnorm(hf, next_weight, eps).to(branch.dtype), hf.to(branch.dtype)
+
+
+NUMERICS = Numerics(
+    kind="ulp",
+    max_ulp=1,
+    # Two hidden-size reductions; a different reduction order moves ~1e-6 of outputs by 1 ulp.
+    max_mismatch_fraction=1e-3,
+    near_misses={
+        "fp32_residual_add": _fp32_residual_add,
+        "unrounded_branch_product": _unrounded_branch_product,
+        "next_norm_on_unrounded": _next_norm_on_unrounded,
+    },
+)
+
+
+def make_inputs(shape: Shape, seed: int, device="cpu", dtype=torch.bfloat16) -> tuple:
+    g = gen(seed)
+    t, h = shape["T"], shape["H"]
+    branch = randn((t, h), g, dtype, device, scale=3.0)
+    residual = randn((t, h), g, dtype, device, scale=1.0)
+    add_index = int(shape.get("add_index", 2 + int(torch.randint(0, 104, (1,), generator=g))))
+    return (
+        branch,
+        residual,
+        norm_weight(h, g, dtype, device),
+        norm_weight(h, g, dtype, device),
+        add_index,
+        1e-6,
+    )
+
+
+def cost(shape: Shape) -> Cost:
+    t, h = shape["T"], shape["H"]
+    return Cost(bytes=2 * (4 * t * h + 2 * h), flops=12 * t * h)
+
+
+def shapes_for(cfg, tokens: int, shard=None) -> dict[str, int]:
+    return {"T": tokens, "H": cfg.hidden_size}

@@ -1,0 +1,104 @@
+"""qk_norm_rope(q[T,Hq,D], k[T,Hkv,D], q_weight[D], k_weight[D], cos[T,D], sin[T,D], eps)
+-> (q_out[T,Hq,D], k_out[T,Hkv,D])
+
+Sliding-window layers: per-head RMSNorm of q and k (each with its own weight), rounded to BF16
+*before* RoPE; then neox half-split RoPE over the full head dim in FP32 with two separate
+products and no FMA: out = bf( f32( f32(x*cos) + f32(rot(x)*sin) ) ) (NUMERICS.md).
+`cos`/`sin` are FP32 tables from `rope_tables`, computed on the device that runs the model and
+shared by all sliding-window layers of a step. V has no norm and is not an input.
+The KV-cache write stays in the runtime's attention backend; a fused variant may take it later.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._contract import Cost, Numerics, Shape, gen, norm_weight, randn
+from .rmsnorm import reference as rmsnorm
+
+NAME = "qk_norm_rope"
+SIGNATURE = (
+    "qk_norm_rope(q[T,Hq,D] bf16, k[T,Hkv,D] bf16, q_weight[D] bf16, k_weight[D] bf16, "
+    "cos[T,D] fp32, sin[T,D] fp32, eps: float) -> (q[T,Hq,D], k[T,Hkv,D]) bf16"
+)
+AXES = {"T": "tokens (varies)", "Hq": "query heads/rank", "Hkv": "KV heads/rank", "D": "head_dim"}
+
+
+def inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """FP32 inverse frequencies, computed on the CPU exactly as transformers does at init."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, D] FP32 for integer positions, on the positions' device."""
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device, torch.float32)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x BF16 times FP32 tables promotes to FP32: two separate FP32 products, an FP32 add, one rounding.
+    c, s = cos[:, None, :], sin[:, None, :]
+    return ((x * c) + (_rotate_half(x) * s)).to(x.dtype)
+
+
+def reference(q, k, q_weight, k_weight, cos, sin, eps: float):
+    return apply_rope(rmsnorm(q, q_weight, eps), cos, sin), apply_rope(rmsnorm(k, k_weight, eps), cos, sin)
+
+
+def _rope_on_unrounded_norm(q, k, q_weight, k_weight, cos, sin, eps):
+    # Near miss: the normed q/k stay FP32 into RoPE (drops the rounding before RoPE).
+    def one(x, w):
+        xf = x.float()
+        n = w.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))
+        return ((n * cos[:, None]) + (_rotate_half(n) * sin[:, None])).to(x.dtype)
+
+    return one(q, q_weight), one(k, k_weight)
+
+
+def _fma_rope(q, k, q_weight, k_weight, cos, sin, eps):
+    # Near miss: x*cos + rot(x)*sin evaluated in FP64 then rounded (stands in for an FMA).
+    def one(x, w):
+        n = rmsnorm(x, w, eps).double()
+        out = n * cos[:, None].double() + _rotate_half(n) * sin[:, None].double()
+        return out.float().to(x.dtype)
+
+    return one(q, q_weight), one(k, k_weight)
+
+
+NUMERICS = Numerics(
+    kind="ulp",
+    max_ulp=1,
+    # The head_dim=128 norm reduction order may differ; RoPE itself is elementwise.
+    max_mismatch_fraction=1e-3,
+    near_misses={"rope_on_unrounded_norm": _rope_on_unrounded_norm, "fma_rope": _fma_rope},
+)
+
+
+def make_inputs(shape: Shape, seed: int, device="cpu", dtype=torch.bfloat16) -> tuple:
+    g = gen(seed)
+    t, hq, hkv, d = shape["T"], shape["Hq"], shape["Hkv"], shape["D"]
+    q = randn((t, hq, d), g, dtype, device, scale=2.0)
+    k = randn((t, hkv, d), g, dtype, device, scale=2.0)
+    # Positions anywhere up to 1M: decode tokens sit deep in long contexts.
+    start = int(torch.randint(0, 1_000_000 - t, (1,), generator=g))
+    positions = torch.arange(start, start + t, device=device)
+    cos, sin = rope_tables(positions, inv_freq(d, shape.get("theta", 10000.0)))
+    return q, k, norm_weight(d, g, dtype, device), norm_weight(d, g, dtype, device), cos, sin, 1e-6
+
+
+def cost(shape: Shape) -> Cost:
+    t, hq, hkv, d = shape["T"], shape["Hq"], shape["Hkv"], shape["D"]
+    n = t * (hq + hkv) * d
+    return Cost(bytes=2 * 2 * n + 2 * 4 * t * d, flops=10 * n)
+
+
+def shapes_for(cfg, tokens: int, shard=None) -> dict[str, int]:
+    hq = shard.num_attention_heads if shard else cfg.num_attention_heads
+    hkv = shard.num_key_value_heads if shard else cfg.num_key_value_heads
+    return {"T": tokens, "Hq": hq, "Hkv": hkv, "D": cfg.head_dim}

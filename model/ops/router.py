@@ -1,0 +1,94 @@
+"""router(h[T,H], weight[E,H] fp32, bias[E] fp32, n_group, topk_group, top_k)
+-> (weights[T,k] fp32, ids[T,k] int64)
+
+Beam's FP32 grouped router (NUMERICS.md "Router"): logits = f32(h) @ W^T in FP32 (TF32 off);
+s = sigmoid(logits); c = s + e_score_correction_bias, for selection only; a group's score is the
+sum of the top-2 of c in it; keep the top `topk_group` groups; ids = topk(c, k) sorted
+descending (this slot order feeds the combine); w = s[ids] / (sum + 1e-20). The routed scale
+2.5 is not applied here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._contract import Cost, Numerics, Shape, gen, randn
+
+NAME = "router"
+SIGNATURE = (
+    "router(h[T,H] bf16, weight[E,H] fp32, bias[E] fp32, n_group: int, topk_group: int, "
+    "top_k: int) -> (weights[T,k] fp32, ids[T,k] int64)"
+)
+AXES = {"T": "tokens (varies)", "H": "hidden", "E": "experts (config)"}
+
+
+def _select(choice: torch.Tensor, n_group: int, topk_group: int, top_k: int) -> torch.Tensor:
+    t, e = choice.shape
+    group_scores = choice.view(t, n_group, e // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)
+    masked = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    return torch.topk(masked, k=top_k, dim=-1)[1]
+
+
+def reference(h, weight, bias, n_group: int, topk_group: int, top_k: int):
+    logits = F.linear(h.float(), weight.float())
+    scores = logits.sigmoid()
+    ids = _select(scores + bias, n_group, topk_group, top_k)
+    w = scores.gather(1, ids)
+    return w / (w.sum(dim=-1, keepdim=True) + 1e-20), ids
+
+
+def _weights_with_bias(h, weight, bias, n_group, topk_group, top_k):
+    # Near miss: weights taken from the bias-corrected scores.
+    scores = F.linear(h.float(), weight.float()).sigmoid()
+    ids = _select(scores + bias, n_group, topk_group, top_k)
+    w = (scores + bias).gather(1, ids)
+    return w / (w.sum(dim=-1, keepdim=True) + 1e-20), ids
+
+
+def _bf16_logits(h, weight, bias, n_group, topk_group, top_k):
+    # Near miss: a BF16 router GEMM (the weight downcast), FP32 afterwards.
+    logits = F.linear(h, weight.to(h.dtype)).float()
+    scores = logits.sigmoid()
+    ids = _select(scores + bias, n_group, topk_group, top_k)
+    w = scores.gather(1, ids)
+    return w / (w.sum(dim=-1, keepdim=True) + 1e-20), ids
+
+
+NUMERICS = Numerics(
+    kind="ulp",
+    # Weights are FP32: at most 2 FP32 ulps (the 8-term renorm sum's order may differ).
+    max_ulp=2,
+    max_mismatch_fraction=0.05,
+    near_misses={"weights_with_bias": _weights_with_bias, "bf16_logits": _bf16_logits},
+    note="ids must match exactly except where the reference's own top-k boundary is an FP32 tie",
+)
+
+
+def make_inputs(shape: Shape, seed: int, device="cpu", dtype=torch.bfloat16) -> tuple:
+    g = gen(seed)
+    t, h, e = shape["T"], shape["H"], shape["E"]
+    x = randn((t, h), g, dtype, device)
+    weight = randn((e, h), g, torch.float32, device, scale=h**-0.5)
+    bias = randn((e,), g, torch.float32, device, scale=0.05)
+    return x, weight, bias, shape.get("n_group", 8), shape.get("topk_group", 4), shape.get("top_k", 8)
+
+
+def cost(shape: Shape) -> Cost:
+    t, h, e = shape["T"], shape["H"], shape["E"]
+    k = shape.get("top_k", 8)
+    return Cost(bytes=2 * t * h + 4 * e * h + 4 * e + t * k * (4 + 8), flops=2 * t * h * e)
+
+
+def shapes_for(cfg, tokens: int, shard=None) -> dict[str, int]:
+    return {
+        "T": tokens,
+        "H": cfg.hidden_size,
+        "E": cfg.num_experts,
+        "n_group": cfg.n_group,
+        "topk_group": cfg.topk_group,
+        "top_k": cfg.num_experts_per_tok,
+    }
