@@ -8,8 +8,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
-          "fp32": torch.float32}
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -33,8 +37,10 @@ def run_forward(args, console: Console) -> None:
     elapsed = time.perf_counter() - start
     probs = torch.softmax(logits[0, -1], dim=-1)
     values, indices = probs.topk(min(args.top, probs.numel()))
-    table = Table(title=f"next token after {len(ids)} prompt tokens "
-                        f"({m.config.num_hidden_layers} layers, {args.dtype}, {args.device})")
+    table = Table(
+        title=f"next token after {len(ids)} prompt tokens "
+        f"({m.config.num_hidden_layers} layers, {args.dtype}, {args.device})"
+    )
     table.add_column("token id", justify="right")
     table.add_column("text")
     table.add_column("p", justify="right")

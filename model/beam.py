@@ -41,8 +41,16 @@ class Batch:
 class AttentionBackend(Protocol):
     """Attention over the keys a layer can see; the runtime plugs a paged-KV backend here."""
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 window: int, scale: float, batch) -> torch.Tensor: ...
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int,
+        scale: float,
+        batch,
+    ) -> torch.Tensor: ...
 
 
 class CausalAttention:
@@ -55,8 +63,11 @@ class CausalAttention:
         outs = []
         for start, stop in batch.seq_bounds:
             pos = batch.positions[start:stop]
-            outs.append(self.ops.attention(q[start:stop], k[start:stop], v[start:stop],
-                                           pos, pos, window, scale))
+            outs.append(
+                self.ops.attention(
+                    q[start:stop], k[start:stop], v[start:stop], pos, pos, window, scale
+                )
+            )
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
@@ -97,8 +108,14 @@ class BeamLayer(nn.Module):
 class BeamForCausalLM(nn.Module):
     """Beam at one rank's shard shapes. `model(input_ids[B,S])` -> FP32 logits [B, S, V]."""
 
-    def __init__(self, cfg: BeamConfig, shard: ShardSpec | None = None, rank: int = 0,
-                 dtype: torch.dtype = torch.bfloat16, ops: OpTable | None = None) -> None:
+    def __init__(
+        self,
+        cfg: BeamConfig,
+        shard: ShardSpec | None = None,
+        rank: int = 0,
+        dtype: torch.dtype = torch.bfloat16,
+        ops: OpTable | None = None,
+    ) -> None:
         super().__init__()
         self.config = cfg
         self.shard = shard or cfg.shard(1)
@@ -112,8 +129,9 @@ class BeamForCausalLM(nn.Module):
         _buffer(self, "embed_tokens", (v, h), dtype)
         _buffer(self, "final_norm", (h,), dtype)
         _buffer(self, "lm_head", (v, h), dtype)
-        self.layers = nn.ModuleList(BeamLayer(cfg, self.shard, i, dtype)
-                                    for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            BeamLayer(cfg, self.shard, i, dtype) for i in range(cfg.num_hidden_layers)
+        )
         theta = next((cfg.rope_theta(t) for t in cfg.layer_types if cfg.rope_theta(t)), None)
         # inv_freq is computed on the CPU in FP32 at init, as transformers does.
         self.inv_freq = rope_inv_freq(cfg.head_dim, theta) if theta else None
@@ -150,17 +168,25 @@ class BeamForCausalLM(nn.Module):
         h = self.embed(ids)  # [T, H] residual stream, BF16
         x = ops.rmsnorm(h, self.layers[0].input_norm, cfg.rms_norm_eps)
         with region("rope_tables"):
-            cos, sin = (rope_tables(positions, self.inv_freq) if self.inv_freq is not None
-                        else (None, None))
+            cos, sin = (
+                rope_tables(positions, self.inv_freq) if self.inv_freq is not None else (None, None)
+            )
         n = len(self.layers)
         for i, layer in enumerate(self.layers):
             a = self.attention_block(i, layer, x, positions, cos, sin, batch)
-            x, h = ops.norm_residual_norm(a, h, layer.post_attn_norm, layer.pre_ff_norm,
-                                          cfg.attn_add_index(i), cfg.rms_norm_eps)
+            x, h = ops.norm_residual_norm(
+                a,
+                h,
+                layer.post_attn_norm,
+                layer.pre_ff_norm,
+                cfg.attn_add_index(i),
+                cfg.rms_norm_eps,
+            )
             m = self.mlp_block(layer, x)
             nxt = self.layers[i + 1].input_norm if i + 1 < n else self.final_norm
-            x, h = ops.norm_residual_norm(m, h, layer.post_ff_norm, nxt,
-                                          cfg.attn_add_index(i) + 1, cfg.rms_norm_eps)
+            x, h = ops.norm_residual_norm(
+                m, h, layer.post_ff_norm, nxt, cfg.attn_add_index(i) + 1, cfg.rms_norm_eps
+            )
         return x
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -176,8 +202,9 @@ class BeamForCausalLM(nn.Module):
     def attention_block(self, i, layer, x, positions, cos, sin, batch) -> torch.Tensor:
         cfg, ops, shard = self.config, self.ops, self.shard
         t = x.shape[0]
-        q, k, v, g = ops.qkv_gate_proj(x, layer.qkv_gate_weight, shard.num_attention_heads,
-                                       shard.num_key_value_heads)  # q,g [T,Hq,D]; k,v [T,Hkv,D]
+        q, k, v, g = ops.qkv_gate_proj(
+            x, layer.qkv_gate_weight, shard.num_attention_heads, shard.num_key_value_heads
+        )  # q,g [T,Hq,D]; k,v [T,Hkv,D]
         if layer.sliding:
             q, k = ops.qk_norm_rope(q, k, layer.q_norm, layer.k_norm, cos, sin, cfg.rms_norm_eps)
         else:
@@ -195,11 +222,24 @@ class BeamForCausalLM(nn.Module):
             act = ops.swiglu(gate, up)  # [T, I]
             with region("dense_down"):
                 return self.all_reduce(F.linear(act, layer.down_proj))
-        weights, ids = ops.router(x, layer.router_weight, layer.router_bias, cfg.n_group,
-                                  cfg.topk_group, cfg.num_experts_per_tok)  # [T, k] each
+        weights, ids = ops.router(
+            x,
+            layer.router_weight,
+            layer.router_bias,
+            cfg.n_group,
+            cfg.topk_group,
+            cfg.num_experts_per_tok,
+        )  # [T, k] each
         offset = self.rank * self.shard.num_experts if self.shard.ep > 1 else 0
-        out = ops.moe_experts(x, layer.experts_gate_up, layer.experts_down, weights, ids,
-                              cfg.routed_scaling_factor, offset)
+        out = ops.moe_experts(
+            x,
+            layer.experts_gate_up,
+            layer.experts_down,
+            weights,
+            ids,
+            cfg.routed_scaling_factor,
+            offset,
+        )
         return self.all_reduce(out)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -86,17 +86,23 @@ class BeamConfig:
         for name, allowed in (("layer_types", LAYER_TYPES), ("mlp_layer_types", MLP_LAYER_TYPES)):
             values = getattr(self, name)
             if len(values) != n:
-                raise ValueError(f"{name} has {len(values)} entries, expected num_hidden_layers={n}")
+                raise ValueError(
+                    f"{name} has {len(values)} entries, expected num_hidden_layers={n}"
+                )
             unknown = sorted(set(values) - set(allowed))
             if unknown:
-                raise ValueError(f"{name} contains unknown type(s) {unknown}; expected one of {allowed}")
+                raise ValueError(
+                    f"{name} contains unknown type(s) {unknown}; expected one of {allowed}"
+                )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
         if self.num_experts % self.n_group:
-            raise ValueError(f"num_experts ({self.num_experts}) must divide into n_group ({self.n_group})")
+            raise ValueError(
+                f"num_experts ({self.num_experts}) must divide into n_group ({self.n_group})"
+            )
         if self.num_experts // self.n_group < 2:
             raise ValueError("each expert group needs at least 2 experts (group score = top-2 sum)")
         if self.topk_group > self.n_group or self.num_experts_per_tok > self.num_experts:
@@ -106,7 +112,9 @@ class BeamConfig:
                 raise ValueError(f"rope_parameters has no entry for layer type {layer_type!r}")
             rope = self.rope_parameters[layer_type]
             if rope is not None and rope.get("rope_type", "default") != "default":
-                raise ValueError(f"unsupported rope_type {rope.get('rope_type')!r} (only 'default')")
+                raise ValueError(
+                    f"unsupported rope_type {rope.get('rope_type')!r} (only 'default')"
+                )
         if self.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (Beam uses 'silu')")
         if self.attention_bias:
@@ -147,7 +155,9 @@ class BeamConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BeamConfig:
         if data.get("model_type", "beam") != "beam":
-            raise ValueError(f"config.json has model_type {data.get('model_type')!r}, expected 'beam'")
+            raise ValueError(
+                f"config.json has model_type {data.get('model_type')!r}, expected 'beam'"
+            )
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         known = {k: v for k, v in data.items() if k in names}
         extra = {k: v for k, v in data.items() if k not in names and k != "model_type"}

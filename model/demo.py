@@ -17,7 +17,9 @@ from .config import BeamConfig, preset
 from .weights import expected_tensors
 
 
-def random_tensor(name: str, shape: tuple[int, ...], g: torch.Generator, std: float) -> torch.Tensor:
+def random_tensor(
+    name: str, shape: tuple[int, ...], g: torch.Generator, std: float
+) -> torch.Tensor:
     if name.endswith("norm.weight") or "layernorm" in name:
         # Norm weights near 1 with spread, so a dropped or misplaced weight multiply shows.
         return 1.0 + 0.2 * torch.randn(shape, generator=g)
@@ -30,7 +32,9 @@ def random_tensor(name: str, shape: tuple[int, ...], g: torch.Generator, std: fl
     return std * torch.randn(shape, generator=g)
 
 
-def random_state_dict(cfg: BeamConfig, seed: int = 0, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+def random_state_dict(
+    cfg: BeamConfig, seed: int = 0, dtype=torch.bfloat16
+) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     out = {}
     for spec in expected_tensors(cfg):
@@ -39,8 +43,9 @@ def random_state_dict(cfg: BeamConfig, seed: int = 0, dtype=torch.bfloat16) -> d
     return out
 
 
-def write_demo_checkpoint(path: str | Path, preset_name: str = "tiny", seed: int = 0,
-                          config: BeamConfig | None = None) -> Path:
+def write_demo_checkpoint(
+    path: str | Path, preset_name: str = "tiny", seed: int = 0, config: BeamConfig | None = None
+) -> Path:
     """Write config.json, model.safetensors, generation_config.json and the tokenizer files."""
     from .serve.tokenizer import write_tokenizer_files
 
@@ -48,10 +53,15 @@ def write_demo_checkpoint(path: str | Path, preset_name: str = "tiny", seed: int
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg.replace(extra={**cfg.extra, "dtype": "bfloat16"}).save(path / "config.json")
-    save_file(random_state_dict(cfg, seed), str(path / "model.safetensors"),
-              metadata={"format": "pt"})
-    gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
-           "pad_token_id": cfg.pad_token_id, "do_sample": False}
+    save_file(
+        random_state_dict(cfg, seed), str(path / "model.safetensors"), metadata={"format": "pt"}
+    )
+    gen = {
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+        "do_sample": False,
+    }
     (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     write_tokenizer_files(path, cfg.vocab_size)
     return path

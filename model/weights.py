@@ -48,9 +48,15 @@ def expected_tensors(cfg: BeamConfig, fused_experts: bool = False) -> list[Tenso
         specs.append(TensorSpec("lm_head.weight", (v, h)))
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        specs += [TensorSpec(p + n + ".weight", (h,)) for n in (
-            "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-            "post_feedforward_layernorm")]
+        specs += [
+            TensorSpec(p + n + ".weight", (h,))
+            for n in (
+                "input_layernorm",
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+            )
+        ]
         a = p + "self_attn."
         specs += [
             TensorSpec(a + "q_proj.weight", (cfg.q_size, h)),
@@ -65,22 +71,30 @@ def expected_tensors(cfg: BeamConfig, fused_experts: bool = False) -> list[Tenso
         m = p + "mlp."
         if cfg.mlp_layer_types[i] == "dense":
             inter = cfg.intermediate_size
-            specs += [TensorSpec(m + "gate_proj.weight", (inter, h)),
-                      TensorSpec(m + "up_proj.weight", (inter, h)),
-                      TensorSpec(m + "down_proj.weight", (h, inter))]
+            specs += [
+                TensorSpec(m + "gate_proj.weight", (inter, h)),
+                TensorSpec(m + "up_proj.weight", (inter, h)),
+                TensorSpec(m + "down_proj.weight", (h, inter)),
+            ]
         else:
             e, inter = cfg.num_experts, cfg.moe_intermediate_size
-            specs += [TensorSpec(m + "gate.weight", (e, h), fp32=True),
-                      TensorSpec(m + "gate.e_score_correction_bias", (e,), fp32=True)]
+            specs += [
+                TensorSpec(m + "gate.weight", (e, h), fp32=True),
+                TensorSpec(m + "gate.e_score_correction_bias", (e,), fp32=True),
+            ]
             if fused_experts:
-                specs += [TensorSpec(m + "experts.gate_up_proj", (e, 2 * inter, h)),
-                          TensorSpec(m + "experts.down_proj", (e, h, inter))]
+                specs += [
+                    TensorSpec(m + "experts.gate_up_proj", (e, 2 * inter, h)),
+                    TensorSpec(m + "experts.down_proj", (e, h, inter)),
+                ]
             else:
                 for j in range(e):
                     x = f"{m}experts.{j}."
-                    specs += [TensorSpec(x + "gate_proj.weight", (inter, h)),
-                              TensorSpec(x + "up_proj.weight", (inter, h)),
-                              TensorSpec(x + "down_proj.weight", (h, inter))]
+                    specs += [
+                        TensorSpec(x + "gate_proj.weight", (inter, h)),
+                        TensorSpec(x + "up_proj.weight", (inter, h)),
+                        TensorSpec(x + "down_proj.weight", (h, inter)),
+                    ]
     return specs
 
 
@@ -96,8 +110,9 @@ class CheckpointReader:
         elif single.exists():
             weight_map = None
         else:
-            raise CheckpointError(f"{self.path} has neither model.safetensors nor "
-                                  "model.safetensors.index.json")
+            raise CheckpointError(
+                f"{self.path} has neither model.safetensors nor model.safetensors.index.json"
+            )
         self._handles: dict[str, object] = {}
         self.location: dict[str, str] = {}
         files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
@@ -118,8 +133,9 @@ class CheckpointReader:
             try:
                 self._handles[fname] = safe_open(str(file), framework="pt", device="cpu")
             except Exception as exc:  # safetensors raises its own error types for bad headers
-                raise CheckpointError(f"cannot read {file}: {exc} (truncated or not a "
-                                      "safetensors file?)") from exc
+                raise CheckpointError(
+                    f"cannot read {file}: {exc} (truncated or not a safetensors file?)"
+                ) from exc
         return self._handles[fname]
 
     def meta(self, name: str) -> tuple[tuple[int, ...], str]:
@@ -132,8 +148,9 @@ class CheckpointReader:
         try:
             return sl[index] if index is not None else sl[:]
         except Exception as exc:
-            raise CheckpointError(f"cannot read tensor {name} from "
-                                  f"{self.location[name]}: {exc} (truncated file?)") from exc
+            raise CheckpointError(
+                f"cannot read tensor {name} from {self.location[name]}: {exc} (truncated file?)"
+            ) from exc
 
 
 def has_fused_experts(reader: CheckpointReader) -> bool:
@@ -147,16 +164,22 @@ def check_checkpoint(reader: CheckpointReader, cfg: BeamConfig) -> None:
     unexpected = sorted(set(reader.location) - set(expected))
     if missing:
         s = expected[missing[0]]
-        raise CheckpointError(f"checkpoint {reader.path} is missing {len(missing)} tensor(s), "
-                              f"first {s.name} (expected shape {list(s.shape)})")
+        raise CheckpointError(
+            f"checkpoint {reader.path} is missing {len(missing)} tensor(s), "
+            f"first {s.name} (expected shape {list(s.shape)})"
+        )
     if unexpected:
-        raise CheckpointError(f"checkpoint {reader.path} has {len(unexpected)} unexpected "
-                              f"tensor(s), first {unexpected[0]}: does config.json match it?")
+        raise CheckpointError(
+            f"checkpoint {reader.path} has {len(unexpected)} unexpected "
+            f"tensor(s), first {unexpected[0]}: does config.json match it?"
+        )
     for name, spec in expected.items():
         shape, dtype = reader.meta(name)
         if shape != spec.shape:
-            raise CheckpointError(f"tensor {name}: expected shape {list(spec.shape)}, found "
-                                  f"{list(shape)} in {reader.location[name]}")
+            raise CheckpointError(
+                f"tensor {name}: expected shape {list(spec.shape)}, found "
+                f"{list(shape)} in {reader.location[name]}"
+            )
         if dtype not in _FLOAT_DTYPES or (spec.fp32 and dtype != "F32"):
             want = "F32" if spec.fp32 else "one of BF16/F16/F32"
             raise CheckpointError(f"tensor {name}: expected dtype {want}, found {dtype}")
@@ -224,8 +247,14 @@ def _read_experts(reader, prefix: str, cfg: BeamConfig, shard: ShardSpec, rank: 
     gate_up, down = [], []
     for j in experts:
         x = f"{prefix}experts.{j}."
-        gate_up.append(torch.cat([reader.read(x + "gate_proj.weight", (slice(i0, i1),)),
-                                  reader.read(x + "up_proj.weight", (slice(i0, i1),))]))
+        gate_up.append(
+            torch.cat(
+                [
+                    reader.read(x + "gate_proj.weight", (slice(i0, i1),)),
+                    reader.read(x + "up_proj.weight", (slice(i0, i1),)),
+                ]
+            )
+        )
         down.append(reader.read(x + "down_proj.weight", (slice(None), slice(i0, i1))))
     return torch.stack(gate_up), torch.stack(down)
 
@@ -261,14 +290,20 @@ _LAYER_NAMES = {
     "mlp.experts.gate_up_proj": "experts_gate_up",
     "mlp.experts.down_proj": "experts_down",
 }
-_QKVG = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-         "self_attn.gate_proj.weight")
+_QKVG = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.gate_proj.weight",
+)
 
 
 def _assign(target: torch.Tensor, value: torch.Tensor, name: str) -> None:
     if tuple(target.shape) != tuple(value.shape):
-        raise CheckpointError(f"tensor {name}: rank slice has shape {list(value.shape)}, model "
-                              f"expects {list(target.shape)}")
+        raise CheckpointError(
+            f"tensor {name}: rank slice has shape {list(value.shape)}, model "
+            f"expects {list(target.shape)}"
+        )
     target.copy_(value.to(target.dtype))
 
 
@@ -297,8 +332,14 @@ def load_into(model: BeamForCausalLM, reader: CheckpointReader) -> None:
                 _assign(getattr(layer, _LAYER_NAMES[suffix]), value, name)
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
-               tp: int = 1, rank: int = 0, ep: int = 1) -> BeamForCausalLM:
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+    tp: int = 1,
+    rank: int = 0,
+    ep: int = 1,
+) -> BeamForCausalLM:
     """Load a Beam checkpoint (HF layout) for one TP rank; the router stays FP32."""
     cfg = BeamConfig.load(path)
     reader = CheckpointReader(path)

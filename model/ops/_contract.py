@@ -84,9 +84,13 @@ def gen(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
     return g
 
 
-def randn(shape: tuple[int, ...], g: torch.Generator, dtype: torch.dtype, device, scale: float = 1.0):
+def randn(
+    shape: tuple[int, ...], g: torch.Generator, dtype: torch.dtype, device, scale: float = 1.0
+):
     """Normal random tensor drawn on the CPU (reproducible across devices), then moved."""
-    return (torch.randn(shape, generator=g, dtype=torch.float32) * scale).to(device=device, dtype=dtype)
+    return (torch.randn(shape, generator=g, dtype=torch.float32) * scale).to(
+        device=device, dtype=dtype
+    )
 
 
 def norm_weight(n: int, g: torch.Generator, dtype: torch.dtype, device) -> torch.Tensor:

@@ -18,7 +18,12 @@ SIGNATURE = (
     "attention(q[T,Hq,D] bf16, k[S,Hkv,D] bf16, v[S,Hkv,D] bf16, q_pos[T] int64, k_pos[S] int64, "
     "window: int (0 = full), scale: float) -> [T,Hq,D] bf16"
 )
-AXES = {"T": "query tokens", "S": "keys (context)", "Hq": "query heads/rank", "Hkv": "KV heads/rank"}
+AXES = {
+    "T": "query tokens",
+    "S": "keys (context)",
+    "Hq": "query heads/rank",
+    "Hkv": "KV heads/rank",
+}
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -72,4 +77,11 @@ def shapes_for(cfg, tokens: int, shard=None, context: int | None = None, layer: 
     hq = shard.num_attention_heads if shard else cfg.num_attention_heads
     hkv = shard.num_key_value_heads if shard else cfg.num_key_value_heads
     window = cfg.window(layer) or 0
-    return {"T": tokens, "S": context or tokens, "Hq": hq, "Hkv": hkv, "D": cfg.head_dim, "W": window}
+    return {
+        "T": tokens,
+        "S": context or tokens,
+        "Hq": hq,
+        "Hkv": hkv,
+        "D": cfg.head_dim,
+        "W": window,
+    }

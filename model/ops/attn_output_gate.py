@@ -20,7 +20,7 @@ def reference(attn: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor) -> tor
 
 
 def _fp32_gate(attn, gate, bias):
-    # Near miss: bias add, sigmoid and product all in FP32, rounded once (a fused kernel's shortcut).
+    # Near miss: bias add, sigmoid and product all in FP32, rounded once (a fused shortcut).
     s = torch.sigmoid(gate.float() + bias.float()[None, :, None])
     return (attn.float() * s).to(attn.dtype)
 

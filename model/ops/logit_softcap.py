@@ -21,7 +21,7 @@ def reference(logits: torch.Tensor, cap: float) -> torch.Tensor:
 
 def _bf16_tanh(logits, cap):
     # Near miss: tanh evaluated in BF16 (quantizes badly near saturation).
-    return (torch.tanh(logits / cap).float() * cap)
+    return torch.tanh(logits / cap).float() * cap
 
 
 def _multiply_by_inverse(logits, cap):

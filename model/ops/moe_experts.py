@@ -4,7 +4,8 @@
 The routed experts as transformers' default `grouped_mm` backend computes them (NUMERICS.md
 "MoE combine"): per slot, gu = bf(x @ gate_up[e]^T); a = swiglu(gu[:I], gu[I:]);
 d_k = bf(a @ down[e]^T); s_k = f32(d_k) * w_k; y = bf(sum_k s_k) summed over the k slots in
-torch's dim-1 order; out = bf(f32(y) * scale) with scale = routed_scaling_factor (2.5).
+torch's dim-1 order (on CUDA (((s0+s4)+(s1+s5))+(s2+s6))+(s3+s7); on CPU left to right, which is
+what transformers computes there too); out = bf(f32(y) * scale), scale = routed_scaling_factor.
 With expert parallelism `ids` may name experts this rank does not hold: pass `expert_offset`
 and the slots outside [offset, offset + E) contribute zero.
 """
@@ -22,7 +23,13 @@ SIGNATURE = (
     "moe_experts(x[T,H] bf16, gate_up[E,2I,H] bf16, down[E,H,I] bf16, weights[T,k] fp32, "
     "ids[T,k] int64, scale: float, expert_offset: int = 0) -> [T,H] bf16"
 )
-AXES = {"T": "tokens", "H": "hidden", "E": "experts/rank", "I": "moe intermediate/rank", "k": "top-k"}
+AXES = {
+    "T": "tokens",
+    "H": "hidden",
+    "E": "experts/rank",
+    "I": "moe intermediate/rank",
+    "k": "top-k",
+}
 
 
 def expert_slots(x, gate_up, down, ids, expert_offset: int = 0) -> torch.Tensor:
@@ -66,13 +73,15 @@ def _scale_in_weights(x, gate_up, down, weights, ids, scale, expert_offset=0):
     return (slots * (weights * scale).unsqueeze(-1)).sum(dim=1).to(x.dtype)
 
 
-def _sequential_sum(x, gate_up, down, weights, ids, scale, expert_offset=0):
-    # Near miss: FP32 slot sum left to right instead of torch's order.
+def _pairwise_sum(x, gate_up, down, weights, ids, scale, expert_offset=0):
+    # Near miss: FP32 slot sum as a neighbour-pair tree, ((s0+s1)+(s2+s3))+..., which is
+    # neither torch's CUDA order nor its CPU (sequential) order.
     s = expert_slots(x, gate_up, down, ids, expert_offset).float() * weights.unsqueeze(-1)
-    acc = s[:, 0]
-    for k in range(1, s.shape[1]):
-        acc = acc + s[:, k]
-    return acc.to(x.dtype) * scale
+    while s.shape[1] > 1:
+        if s.shape[1] % 2:
+            s = torch.cat([s, torch.zeros_like(s[:, :1])], dim=1)
+        s = s[:, 0::2] + s[:, 1::2]
+    return s[:, 0].to(x.dtype) * scale
 
 
 NUMERICS = Numerics(
@@ -83,7 +92,7 @@ NUMERICS = Numerics(
     near_misses={
         "bf16_index_add": _bf16_index_add,
         "scale_in_weights": _scale_in_weights,
-        "sequential_sum": _sequential_sum,
+        "pairwise_sum": _pairwise_sum,
     },
 )
 
@@ -105,7 +114,9 @@ def make_inputs(shape: Shape, seed: int, device="cpu", dtype=torch.bfloat16) -> 
 def cost(shape: Shape) -> Cost:
     t, h, e, i, k = shape["T"], shape["H"], shape["E"], shape["I"], shape.get("k", 8)
     touched = min(e, t * k)  # each touched expert's weights are read once
-    return Cost(bytes=2 * (touched * 3 * i * h + 2 * t * h) + 12 * t * k, flops=2 * t * k * 3 * i * h)
+    return Cost(
+        bytes=2 * (touched * 3 * i * h + 2 * t * h) + 12 * t * k, flops=2 * t * k * 3 * i * h
+    )
 
 
 def shapes_for(cfg, tokens: int, shard=None) -> dict[str, int]:

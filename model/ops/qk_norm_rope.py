@@ -29,7 +29,9 @@ def inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
 
 
-def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [T, D] FP32 for integer positions, on the positions' device."""
     freqs = positions.float()[:, None] * inv_freq.to(positions.device, torch.float32)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -42,13 +44,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x BF16 times FP32 tables promotes to FP32: two separate FP32 products, an FP32 add, one rounding.
+    # BF16 x times FP32 tables promotes: two separate FP32 products, an FP32 add, one rounding.
     c, s = cos[:, None, :], sin[:, None, :]
     return ((x * c) + (_rotate_half(x) * s)).to(x.dtype)
 
 
 def reference(q, k, q_weight, k_weight, cos, sin, eps: float):
-    return apply_rope(rmsnorm(q, q_weight, eps), cos, sin), apply_rope(rmsnorm(k, k_weight, eps), cos, sin)
+    return apply_rope(rmsnorm(q, q_weight, eps), cos, sin), apply_rope(
+        rmsnorm(k, k_weight, eps), cos, sin
+    )
 
 
 def _rope_on_unrounded_norm(q, k, q_weight, k_weight, cos, sin, eps):

@@ -4,7 +4,9 @@
 Full-attention (NoPE) layers: per-head RMSNorm of q and k; then scalable softmax scales q only:
     tau = exp(0.1 * log1p((pos + 1) / 2048))   FP32, pos 0-based
     q   = bf(f32(bf(q_normed)) * tau)
-Attention still uses scale 1/sqrt(head_dim); tau is not folded into it (NUMERICS.md).
+Attention still uses scale 1/sqrt(head_dim); tau is not folded into it (NUMERICS.md). On the GPU
+a pow-based tau differs from exp/log1p in a third of the FP32 values; on the CPU the two agree
+after BF16 rounding, so pow is not usable as a near miss there.
 """
 
 from __future__ import annotations
@@ -33,10 +35,9 @@ def reference(q, k, q_weight, k_weight, positions, eps: float):
     return (qn.float() * tau).to(q.dtype), rmsnorm(k, k_weight, eps)
 
 
-def _pow_scale(q, k, q_weight, k_weight, positions, eps):
-    # Near miss: tau as (1 + (pos+1)/2048) ** 0.1 via pow.
-    tau = torch.pow(1 + (positions.float() + 1) / 2048, 0.1)[:, None, None]
-    return (rmsnorm(q, q_weight, eps).float() * tau).to(q.dtype), rmsnorm(k, k_weight, eps)
+def _zero_based_position(q, k, q_weight, k_weight, positions, eps):
+    # Near miss: tau from the 0-based position (pos / 2048 instead of (pos + 1) / 2048).
+    return reference(q, k, q_weight, k_weight, positions - 1, eps)
 
 
 def _scale_unrounded_norm(q, k, q_weight, k_weight, positions, eps):
@@ -50,7 +51,10 @@ NUMERICS = Numerics(
     kind="ulp",
     max_ulp=1,
     max_mismatch_fraction=1e-3,
-    near_misses={"pow_scale": _pow_scale, "scale_unrounded_norm": _scale_unrounded_norm},
+    near_misses={
+        "zero_based_position": _zero_based_position,
+        "scale_unrounded_norm": _scale_unrounded_norm,
+    },
 )
 
 

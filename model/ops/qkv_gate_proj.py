@@ -1,4 +1,5 @@
-"""qkv_gate_proj(x[T,H], weight[(2Hq+2Hkv)*D, H]) -> (q[T,Hq,D], k[T,Hkv,D], v[T,Hkv,D], gate[T,Hq,D])
+"""qkv_gate_proj(x[T,H], weight[(2Hq+2Hkv)*D, H], Hq, Hkv)
+-> (q[T,Hq,D], k[T,Hkv,D], v[T,Hkv,D], gate[T,Hq,D])
 
 The four attention input projections as one GEMM over a weight packed at load time in the order
 q, k, v, gate (`pack_qkv_gate`). Each output is bf(x @ W^T) with an FP32 accumulator, exactly as

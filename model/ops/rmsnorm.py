@@ -39,7 +39,10 @@ NUMERICS = Numerics(
     max_ulp=1,
     # A plain tl.sum reduction differs from torch's in ~2 per million outputs (NUMERICS.md).
     max_mismatch_fraction=1e-3,
-    near_misses={"round_before_weight": _weight_in_input_dtype, "one_plus_weight": _one_plus_weight},
+    near_misses={
+        "round_before_weight": _weight_in_input_dtype,
+        "one_plus_weight": _one_plus_weight,
+    },
 )
 
 

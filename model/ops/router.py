@@ -74,7 +74,14 @@ def make_inputs(shape: Shape, seed: int, device="cpu", dtype=torch.bfloat16) -> 
     x = randn((t, h), g, dtype, device)
     weight = randn((e, h), g, torch.float32, device, scale=h**-0.5)
     bias = randn((e,), g, torch.float32, device, scale=0.05)
-    return x, weight, bias, shape.get("n_group", 8), shape.get("topk_group", 4), shape.get("top_k", 8)
+    return (
+        x,
+        weight,
+        bias,
+        shape.get("n_group", 8),
+        shape.get("topk_group", 4),
+        shape.get("top_k", 8),
+    )
 
 
 def cost(shape: Shape) -> Cost:

@@ -1,0 +1,1 @@
+"""Serving runtime: engine, scheduler, KV cache, sampler, API, chat format."""

@@ -1,0 +1,33 @@
+"""Shared test setup: the Triton interpreter on CPU, one seed fixture, GPU tests skipped on CPU."""
+
+from __future__ import annotations
+
+import os
+
+# Must be set before triton is imported anywhere: without a GPU, Triton kernels run on CPU
+# tensors through the interpreter.
+try:
+    import torch
+
+    _HAS_CUDA = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    _HAS_CUDA = False
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if _HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield

@@ -1,0 +1,225 @@
+"""Every reference op against an independent formulation, and every near miss against the op.
+
+The independent formulations compute in FP64 and round to BF16 at the points NUMERICS.md names.
+FP64 and FP32 intermediates agree except where an FP32 result sits on a BF16 rounding boundary,
+so the comparison allows 1 BF16 ulp on a small fraction of elements; anything structural (a
+missing rounding point, a wrong scale, a wrong order) shows up as far more mismatches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.config import preset
+from model.ops import CONTRACTS, OP_NAMES
+
+from ._hf import bf16_ulp
+
+CFG = preset("tiny").replace(
+    hidden_size=320,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=192,
+    moe_intermediate_size=48,
+)
+TOKENS = [1, 17, 123]
+BF = torch.bfloat16
+
+
+def _close_bf16(got, want, frac=2e-3, atol=0.0):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    # Values that cancel to near zero count many ulps for a tiny absolute error: `atol` lets
+    # such elements pass on absolute error alone.
+    ulp = bf16_ulp(got, want) * ((got.float() - want.float()).abs() > atol)
+    assert int(ulp.max()) <= 1, f"max ulp {int(ulp.max())}"
+    assert (ulp > 0).float().mean() <= frac, f"{int((ulp > 0).sum())} of {ulp.numel()} differ"
+
+
+def _rms64(x, w, eps):
+    x = x.double()
+    return (w.double() * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(BF)
+
+
+def _inputs(op, t, seed):
+    c = CONTRACTS[op]
+    return c.make_inputs(c.shapes_for(CFG, t), seed)
+
+
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rmsnorm(t, seed):
+    x, w, eps = _inputs("rmsnorm", t, seed)
+    _close_bf16(CONTRACTS["rmsnorm"].reference(x, w, eps), _rms64(x, w, eps))
+
+
+@pytest.mark.parametrize("t", TOKENS)
+def test_norm_residual_norm(t):
+    branch, res, pw, nw, d, eps = _inputs("norm_residual_norm", t, 3)
+    n, h = CONTRACTS["norm_residual_norm"].reference(branch, res, pw, nw, d, eps)
+    p = _rms64(branch, pw, eps)
+    a, b = 1 / math.sqrt(d), math.sqrt((d - 1) / d)
+    want_h = ((p.double() * a).to(BF).double() + (res.double() * b).to(BF).double()).to(BF)
+    _close_bf16(h, want_h)
+    _close_bf16(n, _rms64(h, nw, eps))
+
+
+@pytest.mark.parametrize("t", TOKENS)
+def test_attn_output_gate(t):
+    attn, gate, bias = _inputs("attn_output_gate", t, 4)
+    g2 = (gate.double() + bias.double()[None, :, None]).to(BF)
+    s = torch.sigmoid(g2.double()).to(BF)
+    _close_bf16(
+        CONTRACTS["attn_output_gate"].reference(attn, gate, bias),
+        (attn.double() * s.double()).to(BF),
+    )
+
+
+@pytest.mark.parametrize("t", TOKENS)
+def test_swiglu(t):
+    gate, up = _inputs("swiglu", t, 5)
+    g = gate.double()
+    _close_bf16(
+        CONTRACTS["swiglu"].reference(gate, up), (g * torch.sigmoid(g) * up.double()).to(BF)
+    )
+
+
+@pytest.mark.parametrize("t", TOKENS)
+def test_logit_softcap(t):
+    z, cap = _inputs("logit_softcap", t, 6)
+    got = CONTRACTS["logit_softcap"].reference(z, cap)
+    assert got.dtype == torch.float32
+    want = torch.tanh(z.double() / cap) * cap
+    # FP32 output: a few FP32 ulps from the FP64 value (tanh, divide, multiply each round).
+    assert ((got.double() - want).abs() <= 4 * torch.finfo(torch.float32).eps * cap).all()
+
+
+@pytest.mark.parametrize("t", TOKENS)
+def test_qk_norm_rope(t):
+    q, k, qw, kw, cos, sin, eps = _inputs("qk_norm_rope", t, 7)
+    got_q, got_k = CONTRACTS["qk_norm_rope"].reference(q, k, qw, kw, cos, sin, eps)
+
+    def rope64(x, w):
+        n = _rms64(x, w, eps).double()
+        half = n.shape[-1] // 2
+        rot = torch.cat((-n[..., half:], n[..., :half]), -1)
+        return (n * cos.double()[:, None] + rot * sin.double()[:, None]).to(BF)
+
+    _close_bf16(got_q, rope64(q, qw))
+    _close_bf16(got_k, rope64(k, kw))
+
+
+@pytest.mark.parametrize("t", TOKENS)
+def test_qk_norm_ssmax(t):
+    q, k, qw, kw, pos, eps = _inputs("qk_norm_ssmax", t, 8)
+    got_q, got_k = CONTRACTS["qk_norm_ssmax"].reference(q, k, qw, kw, pos, eps)
+    tau = (1 + (pos.double() + 1) / 2048) ** 0.1
+    _close_bf16(got_q, (_rms64(q, qw, eps).double() * tau[:, None, None]).to(BF))
+    _close_bf16(got_k, _rms64(k, kw, eps))
+
+
+@pytest.mark.parametrize("t,s,w", [(1, 37, 0), (17, 17, 0), (5, 40, 16), (123, 123, 16)])
+def test_attention(t, s, w):
+    c = CONTRACTS["attention"]
+    shape = {**c.shapes_for(CFG, t, context=s), "W": w}
+    q, k, v, qp, kp, window, scale = c.make_inputs(shape, 9)
+    got = c.reference(q, k, v, qp, kp, window, scale)
+    rep = q.shape[1] // k.shape[1]
+    kk = k.double().repeat_interleave(rep, 1)
+    vv = v.double().repeat_interleave(rep, 1)
+    # Eager rounding points: BF16 scores, BF16 scaled scores, BF16 probabilities.
+    scores = torch.einsum("thd,shd->hts", q.double(), kk).to(BF).double()
+    scores = (scores * scale).to(BF).double()
+    dist = qp[:, None] - kp[None, :]
+    ok = (dist >= 0) & ((dist < window) if window else True)
+    probs = torch.softmax(scores.masked_fill(~ok[None], float("-inf")), -1).to(BF).double()
+    want = torch.einsum("hts,shd->thd", probs, vv).to(BF)
+    # Rounded probabilities feed a second GEMM: allow 1 ulp on up to 2% (FP32 vs FP64 sums).
+    _close_bf16(got, want, frac=0.02)
+
+
+@pytest.mark.parametrize("t", TOKENS)
+def test_router(t):
+    c = CONTRACTS["router"]
+    x, w, b, ng, tg, k = c.make_inputs(c.shapes_for(CFG, t), 10)
+    weights, ids = c.reference(x, w, b, ng, tg, k)
+    s = torch.sigmoid(x.double() @ w.double().T)
+    choice = s + b.double()
+    per_group = choice.view(t, ng, -1)
+    group_score = per_group.sort(-1, descending=True)[0][..., :2].sum(-1)
+    keep = group_score.argsort(-1, descending=True)[:, :tg]
+    for row in range(t):
+        allowed = torch.cat(
+            [
+                torch.arange(g * (w.shape[0] // ng), (g + 1) * (w.shape[0] // ng))
+                for g in keep[row].tolist()
+            ]
+        )
+        best = allowed[choice[row, allowed].argsort(descending=True)[:k]]
+        assert ids[row].tolist() == best.tolist()
+        ww = s[row, best] / s[row, best].sum()
+        assert torch.allclose(weights[row].double(), ww, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("t", TOKENS)
+def test_moe_experts(t):
+    c = CONTRACTS["moe_experts"]
+    x, gu, down, w, ids, scale = c.make_inputs(c.shapes_for(CFG, t), 11)
+    got = c.reference(x, gu, down, w, ids, scale)
+    inter = gu.shape[1] // 2
+    want = torch.empty_like(got)
+    for row in range(t):
+        acc = torch.zeros(x.shape[1], dtype=torch.float64)
+        for slot, e in enumerate(ids[row].tolist()):
+            h = (gu[e].double() @ x[row].double()).to(BF).double()
+            a = (F.silu(h[:inter]) * h[inter:]).to(BF).double()
+            d = (down[e].double() @ a).to(BF).double()
+            acc += d * w[row, slot].double()
+        want[row] = (acc.to(BF).double() * scale).to(BF)
+    # The FP32 combine and GEMM accumulators against FP64: 1 ulp on a few percent at most;
+    # outputs that cancel to ~1e-7 (vs values ~4) may be off by more ulps, within 1e-5 absolute.
+    _close_bf16(got, want, frac=0.03, atol=1e-5)
+
+
+@pytest.mark.parametrize("t", [1, 17])
+def test_qkv_gate_proj(t):
+    c = CONTRACTS["qkv_gate_proj"]
+    x, w, hq, hkv = c.make_inputs(c.shapes_for(CFG, t), 12)
+    q, k, v, g = c.reference(x, w, hq, hkv)
+    full = (x.double() @ w.double().T).to(BF)
+    d = CFG.head_dim
+    parts = full.split([hq * d, hkv * d, hkv * d, hq * d], -1)
+    for got, want in zip((q, k, v, g), parts):
+        _close_bf16(got.reshape(t, -1), want, frac=0.02)
+
+
+def _differ(a, b) -> int:
+    a = a if isinstance(a, tuple) else (a,)
+    b = b if isinstance(b, tuple) else (b,)
+    return sum(int((x != y).sum()) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("op", OP_NAMES)
+def test_every_near_miss_differs_from_the_reference(op):
+    c = CONTRACTS[op]
+    # Enough elements that a summation-order near miss crosses a BF16 rounding boundary
+    # (it does so for ~5e-5 of outputs).
+    shape = c.shapes_for(CFG, 257)
+    args = c.make_inputs(shape, 13)
+    ref = c.reference(*args)
+    for name, near in c.numerics.near_misses.items():
+        assert _differ(near(*args), ref) > 0, f"near miss {name} of {op} equals the reference"
+
+
+def test_every_op_declares_its_contract():
+    for op in OP_NAMES:
+        c = CONTRACTS[op]
+        shape = c.shapes_for(CFG, 5)
+        cost = c.cost(shape)
+        assert cost.bytes > 0 and cost.flops >= 0
+        assert c.signature.startswith(op + "(")
+        assert set(c.axes) and c.numerics.kind in ("bitwise", "ulp")
