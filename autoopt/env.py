@@ -17,12 +17,27 @@ def triton_interpret() -> bool:
     return _get("TRITON_INTERPRET", "0") == "1"
 
 
+def enable_triton_interpreter() -> None:
+    """Run Triton kernels on CPU tensors from now on (read by triton at each @triton.jit)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
 def registry_dir() -> Path:
     return Path(_get("AUTOOPT_REGISTRY", str(REPO_ROOT / "kernels")))
 
 
 def runs_dir() -> Path:
     return Path(_get("AUTOOPT_RUNS_DIR", str(REPO_ROOT / "runs")))
+
+
+def tasks_dir() -> Path:
+    """Where target TOMLs (`<name>.toml`) are looked up by name."""
+    return Path(_get("AUTOOPT_TASKS", str(REPO_ROOT / "tasks")))
+
+
+def ncu_path() -> str | None:
+    """An explicit Nsight Compute CLI; unset, `ncu` is looked up on PATH and in CUDA's bin."""
+    return _get("AUTOOPT_NCU")
 
 
 def cache_dir() -> Path:

@@ -339,11 +339,20 @@ def load_model(
     tp: int = 1,
     rank: int = 0,
     ep: int = 1,
+    kernels: str | Path = "tuned",
+    registry: str | Path | None = None,
 ) -> BeamForCausalLM:
-    """Load a Beam checkpoint (HF layout) for one TP rank; the router stays FP32."""
+    """Load a Beam checkpoint (HF layout) for one TP rank; the router stays FP32.
+
+    `kernels` picks every op's implementation through the registry (model/registry.py): `tuned`
+    (the lock's section for `device`'s arch), `reference`, or the path of a lock file.
+    """
+    from .registry import resolve_ops
+
     cfg = BeamConfig.load(path)
     reader = CheckpointReader(path)
     check_checkpoint(reader, cfg)
-    model = BeamForCausalLM(cfg, cfg.shard(tp, ep), rank=rank, dtype=dtype)
+    ops = resolve_ops(kernels, registry, device=device)
+    model = BeamForCausalLM(cfg, cfg.shard(tp, ep), rank=rank, dtype=dtype, ops=ops)
     load_into(model, reader)
     return model.to(device)

@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping
 
 from . import (
+    allreduce_norm_residual_norm,
     attention,
     attn_output_gate,
     logit_softcap,
@@ -38,31 +39,49 @@ _MODULES = (
     moe_experts,
     swiglu,
     logit_softcap,
+    allreduce_norm_residual_norm,
 )
 CONTRACTS: dict[str, OpContract] = {m.NAME: OpContract.from_module(m) for m in _MODULES}
 OP_NAMES: tuple[str, ...] = tuple(CONTRACTS)
 
 # Switched on by the profiler (autoopt/profiler); off, a range costs one attribute check.
-_NVTX = {"enabled": False}
+_NVTX = {"enabled": False, "record_function": False}
 
 
-def set_nvtx(enabled: bool) -> None:
+def set_nvtx(enabled: bool, record_function: bool = False) -> None:
+    """Ranges on or off. `record_function` adds torch.profiler ranges of the same names (the
+    fallback profiler reads those; it also works on torch builds without NVTX, such as CPU)."""
     _NVTX["enabled"] = enabled
+    _NVTX["record_function"] = record_function
+
+
+def _has_nvtx() -> bool:
+    # CPU wheels of torch have no NVTX library: torch.cuda.nvtx raises on every call there.
+    if "has_nvtx" not in _NVTX:
+        import torch
+
+        _NVTX["has_nvtx"] = hasattr(torch._C, "_nvtx")
+    return _NVTX["has_nvtx"]
 
 
 @contextlib.contextmanager
 def region(name: str) -> Iterator[None]:
-    """NVTX range named `name` when profiling is on; nothing otherwise."""
+    """NVTX range (and, when asked, a torch.profiler range) named `name` when profiling is on."""
     if not _NVTX["enabled"]:
         yield
         return
     import torch
 
-    torch.cuda.nvtx.range_push(name)
-    try:
-        yield
-    finally:
-        torch.cuda.nvtx.range_pop()
+    nvtx = _has_nvtx()
+    with (torch.profiler.record_function(name) if _NVTX["record_function"]
+          else contextlib.nullcontext()):
+        if nvtx:
+            torch.cuda.nvtx.range_push(name)
+        try:
+            yield
+        finally:
+            if nvtx:
+                torch.cuda.nvtx.range_pop()
 
 
 def contract(name: str) -> OpContract:

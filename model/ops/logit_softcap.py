@@ -24,14 +24,20 @@ def _bf16_tanh(logits, cap):
     return torch.tanh(logits / cap).float() * cap
 
 
-def _multiply_by_inverse(logits, cap):
-    # Near miss: x * (1/cap) instead of x / cap (differs in the last FP32 bit for some inputs).
-    return torch.tanh(logits.float() * (1.0 / cap)) * cap
+def _other_division(logits, cap):
+    # Near miss: the division torch does NOT do on this device (differs in the last FP32 bit for
+    # many inputs). For a tensor divided by a Python float, torch's CUDA kernel multiplies by the
+    # FP32 reciprocal (ATen div_true_kernel_cuda) while its CPU kernel divides, so a fixed
+    # "x * (1/cap)" near miss would be the reference itself on the GPU.
+    xf = logits.float()
+    if xf.is_cuda:
+        return torch.tanh(xf / torch.full_like(xf, cap)) * cap
+    return torch.tanh(xf * (1.0 / cap)) * cap
 
 
 NUMERICS = Numerics(
     kind="bitwise",
-    near_misses={"bf16_tanh": _bf16_tanh, "multiply_by_inverse": _multiply_by_inverse},
+    near_misses={"bf16_tanh": _bf16_tanh, "other_division": _other_division},
     note="FP32 output; tanh implementations may differ by 1 FP32 ulp between CPU and GPU libm",
 )
 

@@ -1,0 +1,261 @@
+"""Comparing a candidate's outputs with the reference's: ulp distances, policies, near misses.
+
+Floating outputs are compared in units of their own dtype's ulp (BF16 ulps for BF16 outputs, FP32
+ulps for FP32 outputs) through a monotonic integer image of the bit patterns, so the distance is
+exact and NaN-aware. Integer outputs (expert ids) are compared exactly; the router alone may
+differ where the reference's own top-k boundary is an FP32 tie within ulp noise (see
+`router_tie_rows`).
+
+How a `bitwise` op is judged on CPU: the Triton interpreter computes transcendental functions
+with numpy's libm and (triton 3.8+) truncates BF16 casts, so on CPU a bitwise op is judged as
+ulp(1 BF16 ulp, 1e-3 mismatch fraction) for BF16 outputs and ulp(2 FP32 ulps, 0.5) without the
+bias test for FP32 outputs (numpy's tanh differs from torch's in ~28% of FP32 values, by up to
+2 ulps after the cap multiply, biased toward larger magnitude). Near misses are judged the same
+everywhere. On cuda a bitwise op is judged strictly. The report's checks say which policy ran.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# One-NaN-side mismatches count as this many ulps, so they always exceed any bound.
+NAN_ULP = 1 << 40
+HIST_EDGES = ((0, "0"), (1, "1"), (2, "2"), (4, "3-4"), (16, "5-16"), (256, "17-256"))
+# Bias test: unbiased +-1 ulp noise has a mean signed error ~ N(0, 1/sqrt(n)); 3 sigma plus a
+# floor of 0.25 ulp keeps honest reduction-order noise in and catches systematic truncation
+# (mean -1). Judged only with at least this many mismatches.
+BIAS_MIN_MISMATCHES = 16
+
+
+def bias_bound(n: int) -> float:
+    return 0.25 + 3.0 / math.sqrt(max(n, 1))
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The numerics rule that actually ran, with why (CPU relaxations are stated)."""
+
+    kind: str  # "bitwise" | "ulp" | "exact" (integers)
+    max_ulp: int
+    max_mismatch_fraction: float
+    judge_bias: bool
+    note: str
+
+    def describe(self) -> str:
+        if self.kind in ("bitwise", "exact"):
+            return f"{self.kind} ({self.note})" if self.note else self.kind
+        text = f"ulp({self.max_ulp}, {self.max_mismatch_fraction:g})"
+        return f"{text} ({self.note})" if self.note else text
+
+
+def effective_policy(numerics: Any, dtype: torch.dtype, device: str) -> Policy:
+    """The policy for one output of an op with contract `numerics` on `device`."""
+    if not dtype.is_floating_point:
+        return Policy("exact", 0, 0.0, False, "integer output")
+    if numerics.kind == "ulp":
+        return Policy("ulp", numerics.max_ulp, numerics.max_mismatch_fraction, True, "")
+    if device.startswith("cuda"):
+        return Policy("bitwise", 0, 0.0, False, "strict on cuda")
+    if dtype == torch.float32:
+        return Policy("ulp", 2, 0.5, False,
+                      "bitwise op judged on cpu: interpreter libm (numpy tanh/exp) differs from "
+                      "torch's by 1-2 FP32 ulps; judge strictly on cuda")
+    return Policy("ulp", 1, 1e-3, True,
+                  "bitwise op judged on cpu: Triton interpreter BF16 cast/libm noise; "
+                  "judge strictly on cuda")
+
+
+def ordered(t: torch.Tensor) -> torch.Tensor:
+    """Monotonic int64 image of a float tensor's bits: adjacent floats differ by 1, +0 == -0."""
+    width = {torch.bfloat16: torch.int16, torch.float16: torch.int16,
+             torch.float32: torch.int32, torch.float64: torch.int64}.get(t.dtype)
+    if width is None:
+        raise ValueError(f"ulp distance needs a float tensor, got {t.dtype}")
+    b = t.contiguous().view(width).to(torch.int64)
+    mag = b & (torch.iinfo(width).max)
+    return torch.where(b < 0, -mag, mag)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise bit-pattern equality (NaN == NaN when the patterns match)."""
+    if a.dtype.is_floating_point:
+        width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return a.contiguous().view(width) == b.contiguous().view(width)
+    return a == b
+
+
+def ulp_diff(cand: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Signed ulp difference cand - ref (int64); both NaN -> 0, one NaN -> +-NAN_ULP."""
+    d = ordered(cand) - ordered(ref)
+    cn, rn = torch.isnan(cand), torch.isnan(ref)
+    d = torch.where(cn & rn, torch.zeros_like(d), d)
+    return torch.where(cn ^ rn, torch.full_like(d, NAN_ULP), d)
+
+
+@dataclass
+class OutputStats:
+    """Running comparison of one output against the reference over all trials."""
+
+    elements: int = 0
+    mismatches: int = 0
+    max_ulp: int = 0
+    hist: dict[str, int] = field(default_factory=dict)
+    signed_sum: int = 0  # cand - ref, toward +inf
+    magnitude_sum: int = 0  # toward larger |value|: catches truncation toward zero
+    excluded: int = 0  # elements not judged (router tie rows)
+    exact: dict[int, int] = field(default_factory=dict)  # mismatches at exactly 1..16 ulps
+
+    def add(self, cand: torch.Tensor, ref: torch.Tensor, keep: torch.Tensor | None = None) -> dict:
+        """Fold one trial in; return that trial's own numbers."""
+        if keep is not None:
+            self.excluded += int((~keep).sum())
+            cand, ref = cand[keep], ref[keep]
+        n = ref.numel()
+        if not ref.dtype.is_floating_point:
+            mism = int((cand != ref).sum())
+            self.elements += n
+            self.mismatches += mism
+            return {"elements": n, "mismatches": mism}
+        d = ulp_diff(cand, ref)
+        a = d.abs()
+        nz = a != 0
+        mism = int(nz.sum())
+        mx = int(a.max()) if n else 0
+        hist = _histogram(a)
+        small = torch.bincount(a[nz & (a <= 16)].flatten(), minlength=17).tolist()
+        for u in range(1, 17):
+            if small[u]:
+                self.exact[u] = self.exact.get(u, 0) + small[u]
+        finite = nz & (a < NAN_ULP)
+        signed = int(d[finite].sum())
+        mag = int((d * torch.sign(ordered(ref)))[finite].sum())
+        self.elements += n
+        self.mismatches += mism
+        self.max_ulp = max(self.max_ulp, mx)
+        for k, v in hist.items():
+            self.hist[k] = self.hist.get(k, 0) + v
+        self.signed_sum += signed
+        self.magnitude_sum += mag
+        return {"elements": n, "mismatches": mism, "max_ulp": mx, "hist": hist,
+                "mean_signed_ulp": signed / mism if mism else 0.0}
+
+    def to_dict(self) -> dict:
+        n = max(self.mismatches, 1)
+        return {"elements": self.elements, "mismatches": self.mismatches,
+                "mismatch_fraction": self.mismatches / max(self.elements, 1),
+                "max_ulp": self.max_ulp, "hist": dict(self.hist),
+                "mean_signed_ulp": self.signed_sum / n,
+                "mean_magnitude_signed_ulp": self.magnitude_sum / n,
+                "excluded_tie_elements": self.excluded}
+
+
+def _histogram(a: torch.Tensor) -> dict[str, int]:
+    out: dict[str, int] = {}
+    lo = -1
+    for hi, label in HIST_EDGES:
+        c = int(((a > lo) & (a <= hi)).sum())
+        if c:
+            out[label] = c
+        lo = hi
+    big = int(((a > lo) & (a < NAN_ULP)).sum())
+    nan = int((a >= NAN_ULP).sum())
+    if big:
+        out[f">{lo}"] = big
+    if nan:
+        out["nan-mismatch"] = nan
+    return out
+
+
+def judge(policy: Policy, stats: OutputStats, label: str) -> list[str]:
+    """Reasons this output fails its policy (empty when it passes)."""
+    s = stats
+    if s.elements == 0:
+        return []
+    frac = s.mismatches / s.elements
+    if policy.kind in ("bitwise", "exact"):
+        if s.mismatches:
+            return [f"numerics: {label}: {s.mismatches} of {s.elements} elements differ "
+                    f"(policy {policy.describe()}; max {s.max_ulp} ulp)"]
+        return []
+    reasons = []
+    if s.max_ulp > policy.max_ulp:
+        over = s.mismatches - sum(s.exact.get(u, 0) for u in range(1, policy.max_ulp + 1))
+        reasons.append(f"numerics: {label}: {over} elements > {policy.max_ulp} ulp, max "
+                       f"{_ulp_text(s.max_ulp)} (policy {policy.describe()})")
+    if frac > policy.max_mismatch_fraction:
+        reasons.append(f"numerics: {label}: mismatch fraction {frac:.3g} > "
+                       f"{policy.max_mismatch_fraction:g} ({s.mismatches} of {s.elements}; "
+                       f"policy {policy.describe()})")
+    if policy.judge_bias and s.mismatches >= BIAS_MIN_MISMATCHES:
+        bound = bias_bound(s.mismatches)
+        for name, total in (("signed", s.signed_sum), ("magnitude-signed", s.magnitude_sum)):
+            mean = total / s.mismatches
+            if abs(mean) > bound:
+                reasons.append(f"numerics: {label}: biased error, mean {name} error {mean:+.3f} "
+                               f"ulp over {s.mismatches} mismatches (bound {bound:.3f})")
+    return reasons
+
+
+def _ulp_text(u: int) -> str:
+    return "NaN vs number" if u >= NAN_ULP else str(u)
+
+
+def mismatch_count(a: tuple, b: tuple) -> int:
+    """Elements that differ bitwise, summed over outputs (shapes must agree)."""
+    total = 0
+    for x, y in zip(a, b, strict=True):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            total += max(x.numel(), y.numel())
+        else:
+            total += int((~bits_equal(x, y)).sum())
+    return total
+
+
+# Router ids: a row may differ only where the reference's own choice is a tie within FP32 noise.
+# GEMM reduction order moves a logit by a few ulps; through the sigmoid the choice score moves
+# by fewer. 64 FP32 ulps of the boundary value is generous for noise and far below a real change.
+TIE_ULPS = 64
+
+
+def router_tie_rows(inputs: tuple, ref_ids: torch.Tensor, cand_ids: torch.Tensor) -> tuple:
+    """(tolerated [T] bool, details) for rows whose ids differ only across an FP32 tie.
+
+    The selection score c = sigmoid(f32(h) @ W^T) + bias is recomputed here to classify rows; it
+    mirrors the first line of model.ops.router.reference and is used for nothing else.
+    """
+    h, weight, bias, n_group, topk_group, _k = inputs
+    c = torch.sigmoid(torch.nn.functional.linear(h.float(), weight.float())) + bias
+    t, e = c.shape
+    gs = c.view(t, n_group, e // n_group).topk(2, dim=-1)[0].sum(-1)
+    differ = (ref_ids != cand_ids).any(-1)
+    ok = torch.zeros(t, dtype=torch.bool, device=ref_ids.device)
+    rows = []
+    for r in torch.nonzero(differ).flatten().tolist():
+        rs, cs = set(ref_ids[r].tolist()), set(cand_ids[r].tolist())
+        tie = _is_tie(c[r], gs[r], rs, cs, ref_ids[r], cand_ids[r], e // n_group, topk_group)
+        ok[r] = tie
+        rows.append({"row": r, "tie": tie, "ref": sorted(rs - cs), "cand": sorted(cs - rs)})
+    return ok, rows
+
+
+def _near(a: float, b: float) -> bool:
+    return abs(a - b) <= TIE_ULPS * math.ulp(max(abs(a), abs(b)))
+
+
+def _is_tie(c, gs, rs, cs, ref_row, cand_row, group_size, topk_group) -> bool:
+    if rs == cs:  # same experts, different slot order: swapped scores must be equal-ish
+        return all(_near(float(c[a]), float(c[b]))
+                   for a, b in zip(ref_row.tolist(), cand_row.tolist(), strict=True) if a != b)
+    boundary = min(float(c[i]) for i in rs)
+    gsorted = gs.sort(descending=True).values
+    gboundary = float(gsorted[topk_group - 1])
+    for x in rs ^ cs:
+        expert_tie = _near(float(c[x]), boundary)
+        group_tie = _near(float(gs[x // group_size]), gboundary)
+        if not (expert_tie or group_tie):
+            return False
+    return True

@@ -1,0 +1,202 @@
+"""Verify and time every registry variant of the hand-written ops; write their records.
+
+On the H200 (the lead runs it; a few minutes):
+    python benchmarks/gpu_kernels.py --out $OUT
+verifies each variant on cuda with autoopt.eval's `verify_variant` (real Beam TP8 per-rank
+shapes, several seeds; the five verifications run in parallel child processes), then times it
+with `bench_op` (reference, torch.compile and the variant in one child, CUDA-graph replay) at
+decode T = 1, 8, 32, 128 (h200-tp8-decode) and prefill T = 2048, 16384 (h200-tp8-prefill) shapes
+of `preset("beam-1.0-501b").shard(8)`. For each variant it writes
+`$OUT/<op>/records/<variant>.json` (the registry record merged with this run's verification,
+keyed by arch, and benchmark rows) and prints a compact table; `$OUT/summary.json` holds all rows.
+Copy the records into kernels/ to commit them (or pass --write-registry). Exit 0 when every
+variant verified and was timed, 1 otherwise. `--no-compile` skips the torch.compile baselines
+(the slowest part) and `--ops` splits the run.
+
+`--device cpu` does the same on CPU (Triton interpreter; timings not meaningful for speed);
+`--dry-run` is that with tiny shapes, one seed and no torch.compile (a test runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+OPS = ("rmsnorm", "norm_residual_norm", "attn_output_gate", "swiglu", "logit_softcap")
+DECODE_TOKENS = (1, 8, 32, 128)
+PREFILL_TOKENS = (2048, 16384)
+DRY_TOKENS = (1, 3)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_kernels_out")),
+                   help="Output directory (default: $OUT).")
+    p.add_argument("--ops", default=",".join(OPS), help="Comma-separated ops.")
+    p.add_argument("--variants", default=None, help="Comma-separated variant names (default: all).")
+    p.add_argument("--registry", type=Path, default=None, help="Registry dir (default: kernels/).")
+    p.add_argument("--device", default=None, help="cuda (default when present) or cpu.")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: check the logic.")
+    p.add_argument("--no-compile", action="store_true", help="Skip torch.compile baselines.")
+    p.add_argument("--seeds", default="0,1,2", help="Verification seeds.")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--jobs", type=int, default=5, help="Verifications run in parallel.")
+    p.add_argument("--agent", default="hand-written", help="Provenance for unrecorded variants.")
+    p.add_argument("--write-registry", action="store_true",
+                   help="Also write the merged records into the registry itself.")
+    return p.parse_args(argv)
+
+
+def bench_plan(op: str, device: str, dry: bool) -> list[tuple[str, dict]]:
+    """(target, shape) pairs to time."""
+    from autoopt.eval.shapes import cpu_shapes
+    from model.config import preset
+    from model.ops import contract
+
+    if dry or device == "cpu":
+        return [("cpu-tiny", s) for s in cpu_shapes(op, DRY_TOKENS)]
+    cfg = preset("beam-1.0-501b")
+    shard = cfg.shard(8)
+    c = contract(op)
+    return ([("h200-tp8-decode", dict(c.shapes_for(cfg, t, shard))) for t in DECODE_TOKENS]
+            + [("h200-tp8-prefill", dict(c.shapes_for(cfg, t, shard))) for t in PREFILL_TOKENS])
+
+
+def verify_shapes(op: str, device: str, dry: bool) -> list[dict] | None:
+    from autoopt.eval.shapes import cpu_shapes
+
+    return cpu_shapes(op, DRY_TOKENS) if dry else None  # None: autoopt.eval's defaults
+
+
+def verify_all(jobs: list[tuple[str, str, Path]], device: str, seeds: list[int], dry: bool,
+               workers: int) -> dict[tuple[str, str], object]:
+    from autoopt.eval.verify import verify_variant
+
+    def one(job):
+        op, name, source = job
+        return (op, name), verify_variant(op, source, device=device, seeds=seeds,
+                                          shapes=verify_shapes(op, device, dry), timeout_s=600)
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        return dict(pool.map(one, jobs))
+
+
+def bench(op: str, source: Path, plan: list[tuple[str, dict]], device: str, args) -> list[dict]:
+    from autoopt.eval.timing import bench_op
+
+    dry = args.dry_run
+    rows = bench_op(op, source, [s for _, s in plan], device, warmup=1 if dry else args.warmup,
+                    iters=2 if dry else args.iters, compile=not (dry or args.no_compile),
+                    timeout_s=900)
+    targets = {json.dumps(s, sort_keys=True): t for t, s in plan}
+    out = []
+    for row in rows:
+        d = row.to_dict()
+        d["target"] = targets.get(json.dumps(d["shape"], sort_keys=True), "-")
+        out.append(d)
+    return out
+
+
+def merged_record(reg, op: str, name: str, arch: str, report, rows: list[dict], agent: str
+                  ) -> dict:
+    from model.registry import new_record, sha256
+
+    sha = sha256(reg.variant_path(op, name))
+    rec = reg.read_record(op, name)
+    if rec is None or rec.get("sha256") != sha:
+        rec = new_record(op, name, sha, agent=agent)
+    rec.setdefault("verification", {})[arch] = report.to_dict()
+    gpu = rows[0].get("gpu") or rows[0].get("device") if rows else None
+    kept = [b for b in rec.get("benchmarks", [])
+            if (b.get("gpu") or b.get("device")) != gpu]
+    rec["benchmarks"] = kept + rows
+    rec["meaningful_for_speed"] = any(b.get("meaningful") for b in rec["benchmarks"])
+    return rec
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"{'op':<20} {'variant':<11} {'verify':<7} {'target':<17} {'shape':<22} "
+          f"{'us':>9} {'x ref':>6} {'x cmp':>6} {'%floor':>6}")
+    for r in results:
+        for b in r["rows"] or [{}]:
+            shape = ",".join(f"{k}={v}" for k, v in (b.get("shape") or {}).items())
+            xc = b.get("x_compile")
+            print(f"{r['op']:<20} {r['variant']:<11} {r['verdict']:<7} {b.get('target', '-'):<17} "
+                  f"{shape:<22} {b.get('median_us', float('nan')):>9.2f} "
+                  f"{b.get('x_reference', float('nan')):>6.2f} "
+                  f"{xc if xc is not None else float('nan'):>6.2f} "
+                  f"{b.get('pct_of_floor', float('nan')):>6.1f}")
+        for reason in r["reasons"][:3]:
+            print(f"    rejected: {reason}")
+        if r["bench_error"]:
+            print(f"    benchmark failed: {r['bench_error'][:500]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        args.device = "cpu"
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else None)
+    if device is None:
+        print("no CUDA device: run on the GPU machine, or pass --device cpu / --dry-run",
+              file=sys.stderr)
+        return 2
+    from model.registry import Registry, current_arch
+
+    reg = Registry(args.registry)
+    wanted = set(args.variants.split(",")) if args.variants else None
+    jobs = [(op, name, reg.variant_path(op, name)) for op in args.ops.split(",")
+            for name in reg.variants(op) if wanted is None or name in wanted]
+    if not jobs:
+        print(f"no variants of {args.ops} in {reg.root}", file=sys.stderr)
+        return 2
+    arch = current_arch(device)
+    seeds = [0] if args.dry_run else [int(s) for s in args.seeds.split(",")]
+    start = time.monotonic()
+    reports = verify_all(jobs, device, seeds, args.dry_run, args.jobs)
+    print(f"verified {len(jobs)} variants on {device} ({arch}) in "
+          f"{time.monotonic() - start:.0f} s", flush=True)
+    results = []
+    for op, name, source in jobs:
+        report = reports[(op, name)]
+        t0 = time.monotonic()
+        bench_error = None
+        try:
+            rows = bench(op, source, bench_plan(op, device, args.dry_run), device, args)
+        except (RuntimeError, ValueError) as exc:  # one op's failure must not lose the others
+            rows, bench_error = [], str(exc)
+        rec = merged_record(reg, op, name, arch, report, rows, args.agent)
+        path = args.out / op / "records" / f"{name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(rec, indent=2, default=str) + "\n")
+        if args.write_registry:
+            reg.write_record(op, name, rec)
+        results.append({"op": op, "variant": name, "verdict": report.verdict,
+                        "reasons": report.reasons, "rows": rows, "record": str(path),
+                        "bench_error": bench_error})
+        print(f"{op}/{name}: {report.verdict}, timed {len(rows)} shapes in "
+              f"{time.monotonic() - t0:.0f} s -> {path}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = {"device": device, "arch": arch, "elapsed_s": time.monotonic() - start,
+               "results": results}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    print_table(results)
+    print(f"total {time.monotonic() - start:.0f} s")
+    return 0 if all(r["verdict"] == "pass" and not r["bench_error"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""ulp distances, the numerics policies (CPU vs cuda), the bias test and router tie handling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autoopt.eval.numerics import (
+    NAN_ULP,
+    OutputStats,
+    Policy,
+    effective_policy,
+    judge,
+    mismatch_count,
+    ordered,
+    router_tie_rows,
+    ulp_diff,
+)
+from model.ops import contract
+
+
+def _next_up(t: torch.Tensor, steps: int = 1) -> torch.Tensor:
+    width = torch.int16 if t.element_size() == 2 else torch.int32
+    b = t.view(width)
+    # Toward +inf: positive patterns grow, negative ones shrink in magnitude.
+    return torch.where(b >= 0, b + steps, b - steps).to(width).view(t.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("steps", [1, 3, 17])
+def test_ulp_distance_counts_representable_steps(dtype, steps):
+    x = (torch.randn(123) * 7).to(dtype)
+    y = _next_up(x, steps)
+    assert torch.equal(ulp_diff(y, x), torch.full((123,), steps, dtype=torch.int64))
+    assert torch.equal(ulp_diff(x, y), torch.full((123,), -steps, dtype=torch.int64))
+
+
+def test_ulp_distance_across_zero_and_nan():
+    z = torch.tensor([0.0, -0.0], dtype=torch.bfloat16)
+    assert ulp_diff(z[:1], z[1:]).item() == 0  # +0 and -0 are the same value
+    tiny = torch.tensor([0.0], dtype=torch.bfloat16).view(torch.int16).add(1).view(torch.bfloat16)
+    assert ulp_diff(tiny, -tiny).item() == 2  # smallest subnormals either side of zero
+    nan = torch.tensor([float("nan")], dtype=torch.float32)
+    one = torch.tensor([1.0])
+    assert ulp_diff(nan, nan).item() == 0
+    assert ulp_diff(nan, one).item() == NAN_ULP
+    assert torch.equal(ordered(torch.tensor([1.0, -1.0])), -ordered(torch.tensor([-1.0, 1.0])))
+
+
+def test_bitwise_policy_is_strict_on_cuda_and_stated_on_cpu():
+    sw = contract("swiglu").numerics
+    cuda = effective_policy(sw, torch.bfloat16, "cuda")
+    cpu = effective_policy(sw, torch.bfloat16, "cpu")
+    assert (cuda.kind, cuda.max_ulp) == ("bitwise", 0)
+    assert (cpu.kind, cpu.max_ulp, cpu.max_mismatch_fraction) == ("ulp", 1, 1e-3)
+    assert "strictly on cuda" in cpu.describe()
+    soft = effective_policy(contract("logit_softcap").numerics, torch.float32, "cpu")
+    assert (soft.max_ulp, soft.judge_bias) == (2, False)
+    ids = effective_policy(contract("router").numerics, torch.int64, "cuda")
+    assert ids.kind == "exact"
+
+
+def test_judge_counts_elements_over_the_bound():
+    ref = torch.randn(1000).to(torch.bfloat16)
+    cand = ref.clone()
+    cand[:3] = _next_up(ref[:3], 1)
+    cand[3:5] = _next_up(ref[3:5], 2)
+    stats = OutputStats()
+    stats.add(cand, ref)
+    policy = Policy("ulp", 1, 0.01, True, "")
+    reasons = judge(policy, stats, "output 0")
+    assert reasons == [
+        "numerics: output 0: 2 elements > 1 ulp, max 2 (policy ulp(1, 0.01))"]
+    strict = judge(Policy("bitwise", 0, 0.0, False, "strict on cuda"), stats, "output 0")
+    assert "5 of 1000 elements differ" in strict[0]
+
+
+def test_bias_test_catches_truncation_but_not_noise():
+    # Truncation toward zero: every mismatch moves toward smaller magnitude.
+    ref = (torch.randn(4000) * 3).to(torch.bfloat16)
+    shrink = ref.view(torch.int16) - 1
+    truncated = torch.where(torch.arange(4000) % 2 == 0, shrink, ref.view(torch.int16))
+    truncated = truncated.view(torch.bfloat16)
+    stats = OutputStats()
+    stats.add(truncated, ref)
+    reasons = judge(Policy("ulp", 1, 1.0, True, ""), stats, "output 0")
+    assert any("biased error, mean magnitude-signed error -1.000" in r for r in reasons)
+    # Random +-1 ulp noise (a different reduction order) is unbiased and passes.
+    g = torch.Generator().manual_seed(0)
+    sign = torch.randint(0, 2, (4000,), generator=g) * 2 - 1
+    noisy = torch.where(torch.arange(4000) % 2 == 0, ref.view(torch.int16) + sign.to(torch.int16),
+                        ref.view(torch.int16)).view(torch.bfloat16)
+    stats = OutputStats()
+    stats.add(noisy, ref)
+    assert judge(Policy("ulp", 1, 1.0, True, ""), stats, "output 0") == []
+
+
+def test_mismatch_count_handles_wrong_shapes():
+    a = (torch.zeros(3, 4),)
+    assert mismatch_count(a, (torch.zeros(3, 4),)) == 0
+    assert mismatch_count(a, (torch.zeros(12),)) == 12
+
+
+def _router_inputs(t: int = 17):
+    c = contract("router")
+    shape = {"T": t, "H": 64, "E": 256, "n_group": 8, "topk_group": 4, "top_k": 8}
+    return c, c.make_inputs(shape, 0)
+
+
+def test_router_ids_differing_without_a_tie_are_not_tolerated():
+    c, args = _router_inputs()
+    _, ids = c.reference(*args)
+    other = ids.clone()
+    other[3, 0] = (ids[3, 0] + 128) % 256  # an expert the reference did not pick at all
+    ok, rows = router_tie_rows(args, ids, other)
+    assert not ok[3] and rows[0]["row"] == 3 and rows[0]["tie"] is False
+
+
+def test_router_tie_at_the_top_k_boundary_is_tolerated():
+    c, args = _router_inputs()
+    h, weight, bias, n_group, topk_group, top_k = args
+    _, ids = c.reference(*args)
+    scores = torch.sigmoid(torch.nn.functional.linear(h.float(), weight)) + bias
+    # Make the 8th pick of token 5 tie exactly with an unpicked expert of the same group.
+    row, last = 5, int(ids[5, -1])
+    group = last // 32
+    rival = next(e for e in range(group * 32, group * 32 + 32) if e not in ids[row].tolist())
+    bias = bias.clone()
+    bias[rival] += scores[row, last] - scores[row, rival]
+    args = (h, weight, bias, n_group, topk_group, top_k)
+    _, ids = c.reference(*args)
+    picked, other = (last, rival) if last in ids[row].tolist() else (rival, last)
+    swapped = ids.clone()
+    swapped[row, swapped[row] == picked] = other  # the other side of the exact tie
+    ok, rows = router_tie_rows(args, ids, swapped)
+    assert bool(ok[row]) and rows[0]["tie"] is True

@@ -1,0 +1,122 @@
+"""The static screen: what a variant's source may not contain; honest sources it lets through."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from autoopt.eval.guards import static_screen
+
+HONEST_TRITON = (Path(__file__).resolve().parent / "adversarial" / "honest_triton_swiglu.py")
+KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+
+RUN = "\ndef run(x, config=None):\n    return x\n"
+
+# (source snippet, substring of the expected reason)
+REFUSED = [
+    ("import subprocess", "imports subprocess (process spawning)"),
+    ("import os", "imports os"),
+    ("import sys", "imports sys"),
+    ("from socket import socket", "imports socket (network)"),
+    ("import urllib.request", "imports urllib (network)"),
+    ("import requests", "imports requests (network)"),
+    ("import http.client", "imports http (network)"),
+    ("import pathlib", "imports pathlib (file I/O)"),
+    ("import pickle", "imports pickle (deserialization)"),
+    ("import importlib", "imports importlib (dynamic import)"),
+    ("import ctypes", "imports ctypes (native code)"),
+    ("import threading", "imports threading (threads)"),
+    ("import gc", "imports gc"),
+    ("import time", "imports time (timers)"),
+    ("import json", "not in the allowed list"),
+    ("from model.ops.swiglu import reference", "imports the reference (model.ops.swiglu)"),
+    ("import model.ops", "imports the reference"),
+    ("from model.ops import swiglu", "imports the reference"),
+    ("import autoopt.eval.verify", "imports autoopt (the harness"),
+    ("from . import helper", "relative import"),
+    ("x = eval('1')", "calls eval"),
+    ("exec('x = 1')", "calls exec"),
+    ("c = compile('1', 'f', 'eval')", "calls compile"),
+    ("m = __import__('os')", "calls __import__"),
+    ("f = open('/tmp/x', 'w')", "uses open() (file I/O)"),
+    ("import torch\nf = getattr(torch, 'comp' + 'ile')", "uses getattr"),
+    ("import torch\nsetattr(torch, 'x', 1)", "uses setattr"),
+    ("g = globals()", "uses globals()"),
+    ("import torch\nk = torch.tensor(1).__class__", "accesses __class__"),
+    ("import torch\nk = ().__class__.__subclasses__()", "accesses __subclasses__"),
+    ("b = __builtins__", "uses __builtins__"),
+    ("import torch\nf = torch.compile(lambda x: x)", "uses torch.compile"),
+    ("import torch as T\nf = T.compile", "uses torch.compile"),
+    ("from torch import compile", "uses torch.compile"),
+    ("import torch._dynamo", "uses torch.compile"),
+    ("import torch\nm = torch.hub.load('a', 'b')", "uses torch.hub (network)"),
+    ("import torch\ntorch.save({}, 'x')", "file I/O (torch.save)"),
+    ("import torch\nx = torch.load('x')", "file I/O (torch.load)"),
+    ("import numpy as np\nnp.save('x', 1)", "file I/O (numpy)"),
+    ("import torch\ns = torch.cuda.Stream()", "uses CUDA streams (side-stream work)"),
+    ("import torch\nwith torch.cuda.stream(None):\n    pass", "uses CUDA streams"),
+    ("import torch\ntorch.cuda.current_stream().wait_stream(None)", "uses CUDA streams"),
+    ("import torch\ng = torch.cuda.CUDAGraph()", "captures CUDA graphs"),
+    ("import torch\ntorch.cuda._sleep(100)", "torch.cuda._sleep"),
+    ("import torch\ntorch.set_float32_matmul_precision('high')", "changes torch global state"),
+    ("import torch\ntorch.backends.cuda.matmul.allow_tf32 = True",
+     "monkeypatches torch.backends.cuda.matmul.allow_tf32"),
+    ("import torch\ntorch.cuda.Event = object", "monkeypatches torch.cuda.Event"),
+    ("import time\ntime.perf_counter = lambda: 0.0", "monkeypatches time.perf_counter"),
+    ("import torch.cuda as tc\ntc.synchronize = lambda: None",
+     "monkeypatches torch.cuda.synchronize"),
+    ("from torch import cuda\ncuda.Event = object", "monkeypatches torch.cuda.Event"),
+    ("import torch\ntorch.Tensor.clone = lambda self: self", "monkeypatches torch.Tensor.clone"),
+    ("import torch\ndel torch.cuda.synchronize", "monkeypatches torch.cuda.synchronize"),
+    ("import torch\nimport torch.library", "overrides torch operators"),
+    ("import torch\nx = torch._C._get_tracing_state()", "uses torch._C internals"),
+    ("import torch\nclass T(torch.Tensor):\n    @classmethod\n"
+     "    def __torch_dispatch__(cls, f, t, a=(), k=None):\n        return 0",
+     "defines __torch_dispatch__"),
+    ("import torch\nt = torch.from_file('x')", "file I/O (torch.from_file)"),
+    ("import torch\nc = torch.cuda\ns = c.Stream()", "uses CUDA streams"),
+    ("import torch\nT = torch\nT.cuda.Event = object", "monkeypatches torch.cuda.Event"),
+    ("import torch\nx = torch\ny = x.compile", "uses torch.compile"),
+    ("import torch\nx = torch.zeros(1)\nx.numpy().tofile('f')", "file I/O (tofile)"),
+    ("import torch\nfrom torch.utils.cpp_extension import load_inline", "builds native extensions"),
+]
+
+
+@pytest.mark.parametrize("snippet,reason", REFUSED)
+def test_refused(snippet, reason):
+    reasons = static_screen(snippet + RUN)
+    assert any(reason in r for r in reasons), reasons
+    assert all(r.startswith("static screen: ") for r in reasons)
+
+
+def test_syntax_error_is_a_reason():
+    assert static_screen("def run(:\n")[0].startswith("static screen: syntax error at line 1")
+
+
+def test_missing_run_is_a_reason():
+    assert "defines no top-level `run`" in static_screen("import torch\n")[0]
+
+
+@pytest.mark.parametrize("snippet", [
+    "import torch\nimport torch.nn.functional as F",
+    "import math\nimport functools\nfrom typing import Any\nfrom dataclasses import dataclass",
+    "import triton\nimport triton.language as tl\nfrom triton.language.extra import libdevice",
+    "import numpy as np\ny = np.zeros(3)",
+    "import torch\nx = torch.empty(3).data_ptr() % 16",
+    "import torch\nCACHE = {}\nCACHE['k'] = 1",  # a module-level dict of its own is fine
+    "import torch\ns = torch.cuda.current_stream()",  # reading the current stream is fine
+    "class Config:\n    def __init__(self):\n        self.block = 128",
+])
+def test_honest_constructs_pass(snippet):
+    assert static_screen(snippet + RUN) == []
+
+
+def test_honest_triton_variant_passes():
+    assert static_screen(HONEST_TRITON.read_text()) == []
+
+
+@pytest.mark.parametrize("path", sorted(KERNELS.glob("*/*.py")), ids=lambda p: p.parent.name)
+def test_registry_variants_pass_the_screen(path):
+    # The hand-written kernels in kernels/ are honest: a screen that refused them would be wrong.
+    assert static_screen(path.read_text()) == []

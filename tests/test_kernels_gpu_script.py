@@ -1,0 +1,46 @@
+"""benchmarks/gpu_kernels.py, the lead's H200 script, exercised end to end on CPU (--dry-run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+from model.registry import DEFAULT_ROOT, sha256
+
+
+def load_script():
+    path = DEFAULT_ROOT.parent / "benchmarks" / "gpu_kernels.py"
+    spec = importlib.util.spec_from_file_location("gpu_kernels_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dry_run_verifies_times_and_writes_records(tmp_path, capsys):
+    script = load_script()
+    # Two ops (a norm and an elementwise op) keep it short; the logic is the same for all five.
+    code = script.main(["--dry-run", "--ops", "rmsnorm,swiglu", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    for op in ("rmsnorm", "swiglu"):
+        rec = json.loads((tmp_path / op / "records" / "triton_v1.json").read_text())
+        assert rec["sha256"] == sha256(DEFAULT_ROOT / op / "triton_v1.py")
+        assert rec["status"] in ("candidate", "accepted", "rejected")
+        assert rec["verification"]["cpu"]["verdict"] == "pass"
+        rows = [b for b in rec["benchmarks"] if b["device"] == "cpu"]
+        assert [b["shape"]["T"] for b in rows] == [1, 3]
+        assert all(b["target"] == "cpu-tiny" and b["meaningful"] is False for b in rows)
+        # The record keeps the GPU rows committed before; it is meaningful iff one of them is.
+        assert rec["meaningful_for_speed"] == any(b["meaningful"] for b in rec["benchmarks"])
+        assert f"{op:<20} triton_v1   pass" in out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["arch"] == "cpu" and len(summary["results"]) == 2
+
+
+def test_gpu_plan_uses_beam_tp8_rank_shapes():
+    script = load_script()
+    plan = script.bench_plan("attn_output_gate", "cuda", dry=False)
+    assert [t for t, _ in plan] == ["h200-tp8-decode"] * 4 + ["h200-tp8-prefill"] * 2
+    assert [s["T"] for _, s in plan] == [1, 8, 32, 128, 2048, 16384]
+    assert all(s["Hq"] == 6 and s["D"] == 128 for _, s in plan)  # 48 heads / TP8
+    assert script.bench_plan("norm_residual_norm", "cuda", dry=False)[0][1]["H"] == 5120
