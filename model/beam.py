@@ -9,6 +9,8 @@ Per layer (L 0-based, 52 layers, hidden H=5120, Hq=48 query / Hkv=8 KV heads of 
     m            = dense SwiGLU MLP (L < 3) | router + moe_experts (256 experts, top-8)
     x, h         = norm_residual_norm(m, h, post_ff, next input norm or final norm, 2(L+1)+1)
 logits = logit_softcap(lm_head(x), 30) in FP32.
+Under TP the o_proj, dense down and combined-expert outputs are per-rank partials; each boundary
+sums them (allreduce_norm_residual_norm, through model/parallel.py) before its norms.
 
 Tokens are flat ([T] ids, [T] positions); an `AttentionBackend` knows how they split into
 sequences and where their keys live (no cache here; a paged KV cache in the serving runtime).
@@ -125,6 +127,8 @@ class BeamForCausalLM(nn.Module):
         # Row-parallel partial sums and the vocab gather; identity at TP=1 (model/parallel.py).
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
         self.gather_vocab: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+        # The boundary over rank partials at TP > 1 (TPGroup.boundary); None: norm_residual_norm.
+        self.tp_boundary: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         v, h = self.shard.vocab_size, cfg.hidden_size
         _buffer(self, "embed_tokens", (v, h), dtype)
         _buffer(self, "final_norm", (h,), dtype)
@@ -174,20 +178,20 @@ class BeamForCausalLM(nn.Module):
         n = len(self.layers)
         for i, layer in enumerate(self.layers):
             a = self.attention_block(i, layer, x, positions, cos, sin, batch)
-            x, h = ops.norm_residual_norm(
-                a,
-                h,
-                layer.post_attn_norm,
-                layer.pre_ff_norm,
-                cfg.attn_add_index(i),
-                cfg.rms_norm_eps,
+            x, h = self.boundary(
+                a, h, layer.post_attn_norm, layer.pre_ff_norm, cfg.attn_add_index(i)
             )
             m = self.mlp_block(layer, x)
             nxt = self.layers[i + 1].input_norm if i + 1 < n else self.final_norm
-            x, h = ops.norm_residual_norm(
-                m, h, layer.post_ff_norm, nxt, cfg.attn_add_index(i) + 1, cfg.rms_norm_eps
-            )
+            x, h = self.boundary(m, h, layer.post_ff_norm, nxt, cfg.attn_add_index(i) + 1)
         return x
+
+    def boundary(self, partial, h, post_weight, next_weight, add_index: int):
+        """(normed next input, new residual) from a branch output (a rank partial under TP)."""
+        eps = self.config.rms_norm_eps
+        if self.tp_boundary is None:
+            return self.ops.norm_residual_norm(partial, h, post_weight, next_weight, add_index, eps)
+        return self.tp_boundary(self.ops, partial, h, post_weight, next_weight, add_index, eps)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         with region("embed"):
@@ -212,7 +216,7 @@ class BeamForCausalLM(nn.Module):
         o = self.attention_backend(i, q, k, v, cfg.window(i) or 0, cfg.head_dim**-0.5, batch)
         o = ops.attn_output_gate(o, g, layer.gate_bias)  # [T, Hq, D]
         with region("o_proj"):
-            return self.all_reduce(F.linear(o.reshape(t, -1), layer.o_proj))
+            return F.linear(o.reshape(t, -1), layer.o_proj)  # [T, H], a rank partial under TP
 
     def mlp_block(self, layer: BeamLayer, x: torch.Tensor) -> torch.Tensor:
         cfg, ops = self.config, self.ops
@@ -221,7 +225,7 @@ class BeamForCausalLM(nn.Module):
                 gate, up = F.linear(x, layer.gate_proj), F.linear(x, layer.up_proj)
             act = ops.swiglu(gate, up)  # [T, I]
             with region("dense_down"):
-                return self.all_reduce(F.linear(act, layer.down_proj))
+                return F.linear(act, layer.down_proj)  # [T, H], a rank partial under TP
         weights, ids = ops.router(
             x,
             layer.router_weight,
@@ -240,7 +244,7 @@ class BeamForCausalLM(nn.Module):
             cfg.routed_scaling_factor,
             offset,
         )
-        return self.all_reduce(out)
+        return out  # this rank's combined experts: a partial under TP (summed at the boundary)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with region("lm_head"):
