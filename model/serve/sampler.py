@@ -1,0 +1,179 @@
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, min-p, per-request
+seeds, logprobs; and the stop checks (stop token ids, stop strings, max_tokens).
+
+Filters apply in transformers' order: temperature, then top-k, then top-p, then min-p. Each
+request that samples owns a `torch.Generator`, seeded from its `seed` (or from the engine's seed
+when it has none), so its tokens do not depend on which other requests share the batch.
+Logprobs are those of the model's distribution (log-softmax of the raw FP32 logits, before
+temperature and filters), as vLLM reports them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+MAX_LOGPROBS = 20
+
+
+class RequestError(ValueError):
+    """A request the engine refuses before queuing it (the API answers 4xx)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0  # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings
+    stop_token_ids: tuple[int, ...] = ()  # extra stop tokens besides the tokenizer's
+    ignore_eos: bool = False  # do not stop at the tokenizer's stop tokens (<|return|>, <|call|>)
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # None = off; N = chosen token plus the top N
+    skip_special_tokens: bool = False  # Harmony parsing needs the special tokens in the text
+
+    def __post_init__(self) -> None:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        checks = [
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= -1, f"top_k must be -1, 0 (off) or a positive count, got {self.top_k}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (all(isinstance(s, str) and s for s in stop), "stop strings must be non-empty"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise RequestError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the N most likely (token id, logprob), best first
+
+
+# ---- filters --------------------------------------------------------------------------------
+def apply_filters(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits [N, V] to -inf outside each row's top-k, top-p and min-p sets.
+
+    top_k [N] int (<= 0: off; ties with the k-th value are kept), top_p [N] float (>= 1: off;
+    keep the smallest prefix of the sorted distribution whose mass reaches top_p), min_p [N]
+    (keep tokens with p >= min_p * p_max).
+    """
+    vocab = logits.shape[-1]
+    out = logits
+    if bool((top_k > 0).any()):
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+        kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+        out = out.masked_fill(out < kth, float("-inf"))
+    if bool((top_p < 1).any()):
+        sorted_logits, idx = out.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of the better tokens
+        drop = (before >= top_p[:, None]) & (top_p[:, None] < 1)
+        drop[:, 0] = False
+        out = out.masked_fill(torch.zeros_like(drop).scatter_(1, idx, drop), float("-inf"))
+    if bool((min_p > 0).any()):
+        probs = out.softmax(dim=-1)
+        floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        out = out.masked_fill(probs < floor, float("-inf"))
+    return out
+
+
+@dataclass
+class SampleRequest:
+    """What the sampler needs of one row: its parameters and its generator."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRequest]
+                 ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Next token of each row of FP32 logits [N, V] (and its logprobs when asked)."""
+        n = logits.shape[0]
+        tokens = [0] * n
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        if greedy:
+            picked = logits[greedy].argmax(dim=-1).tolist()
+            for i, t in zip(greedy, picked):
+                tokens[i] = t
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if sampled:
+            for i, t in zip(sampled, self._sample(logits[sampled], [rows[i] for i in sampled])):
+                tokens[i] = t
+        return tokens, self._logprobs(logits, rows, tokens)
+
+    def _sample(self, logits: torch.Tensor, rows: Sequence[SampleRequest]) -> list[int]:
+        dev = logits.device
+        temp = torch.tensor([r.params.temperature for r in rows], device=dev)
+        top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
+        top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
+        min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
+        probs = apply_filters(logits / temp[:, None], top_k, top_p, min_p).softmax(dim=-1)
+        # One draw per row from the row's own generator: batching cannot change a request's draws.
+        return [int(torch.multinomial(probs[i], 1, generator=r.generator))
+                for i, r in enumerate(rows)]
+
+    def _logprobs(self, logits: torch.Tensor, rows: Sequence[SampleRequest],
+                  tokens: list[int]) -> list[TokenLogprob | None]:
+        out: list[TokenLogprob | None] = [None] * len(rows)
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if not want:
+            return out
+        lp = torch.log_softmax(logits[want], dim=-1)
+        top_n = max(rows[i].params.logprobs for i in want)
+        top_v, top_i = lp.topk(top_n, dim=-1) if top_n else (lp[:, :0], lp[:, :0].long())
+        chosen = lp.gather(1, torch.tensor([tokens[i] for i in want], device=lp.device)[:, None])
+        chosen, top_v, top_i = chosen[:, 0].tolist(), top_v.tolist(), top_i.tolist()
+        for j, i in enumerate(want):
+            k = rows[i].params.logprobs
+            out[i] = TokenLogprob(tokens[i], chosen[j], tuple(zip(top_i[j][:k], top_v[j][:k])))
+        return out
+
+
+# ---- stop checks ----------------------------------------------------------------------------
+def partial_stop_suffix(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of `text` that could still grow into a stop string."""
+    best = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:k]):
+                best = k
+                break
+    return best
+
+
+def find_stop(text: str, stops: Sequence[str], start: int) -> tuple[int, str] | None:
+    """Earliest stop string whose last character is at index >= `start` (the text added since
+    the last check begins there): (index, stop), or None."""
+    hits = []
+    for stop in stops:
+        idx = text.find(stop, max(0, start - len(stop) + 1))
+        if idx >= 0:
+            hits.append((idx, stop))
+    return min(hits) if hits else None

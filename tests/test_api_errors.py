@@ -1,0 +1,328 @@
+"""Bad input, auth, disconnects, load and metrics of the HTTP API (scripted engine, loopback).
+
+Every bad request must get a 4xx JSON error in the shape of the API it called, and the server
+must keep serving afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from model.serve.api import create_app
+from tests.api_support import MODEL, FakeEngine, demo_tokenizer, serve
+
+MAX_MODEL_LEN = 512
+KEY = "sekret-key"
+GOOD_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "[hello]"}]}
+GOOD_MESSAGES = {"model": MODEL, "max_tokens": 64,
+                 "messages": [{"role": "user", "content": "[hello]"}]}
+
+
+@pytest.fixture(scope="module")
+def fake():
+    return FakeEngine(demo_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def base(fake) -> Iterator[str]:
+    with serve(create_app(fake, demo_tokenizer(), MODEL, max_model_len=MAX_MODEL_LEN)) as port:
+        yield f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def slow() -> Iterator[tuple[str, FakeEngine]]:
+    """A server whose engine takes 5 ms a token, so clients can overlap and hang up mid-stream."""
+    engine = FakeEngine(demo_tokenizer(), delay=0.005)
+    with serve(create_app(engine, demo_tokenizer(), MODEL, max_model_len=4096)) as port:
+        yield f"http://127.0.0.1:{port}", engine
+
+
+def with_(body: dict[str, Any], **changes: Any) -> bytes:
+    return json.dumps({**body, **changes}).encode()
+
+
+LONG_PROMPT = [{"role": "user", "content": "word " * 2 * MAX_MODEL_LEN}]
+BAD_TOOL_SCHEMA = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "string"}}}]
+BAD_CHAT = {
+    "malformed json": (b'{"model": "beam-test", "messages": [', 400, None),
+    "empty body": (b"", 400, None),
+    "not an object": (b"[1, 2]", 400, None),
+    "unknown model": (with_(GOOD_CHAT, model="gpt-9"), 404, "model"),
+    "negative max_tokens": (with_(GOOD_CHAT, max_tokens=-5), 400, "max_tokens"),
+    "zero max_completion_tokens": (with_(GOOD_CHAT, max_completion_tokens=0), 400,
+                                   "max_completion_tokens"),
+    "huge max_tokens": (with_(GOOD_CHAT, max_tokens=10**9), 400, "max_tokens"),
+    "prompt too long": (with_(GOOD_CHAT, messages=LONG_PROMPT), 400, "messages"),
+    "invalid tool schema": (with_(GOOD_CHAT, tools=BAD_TOOL_SCHEMA), 400,
+                            "tools[0].function.parameters"),
+    "tool name with space": (with_(GOOD_CHAT, tools=[{"type": "function", "function": {
+        "name": "my tool"}}]), 400, "tools[0].function.name"),
+    "tool not a function": (with_(GOOD_CHAT, tools=[{"type": "retrieval"}]), 400, "tools[0]"),
+    "temperature string": (with_(GOOD_CHAT, temperature="hot"), 400, "temperature"),
+    "temperature numeric string": (with_(GOOD_CHAT, temperature="0.5"), 400, "temperature"),
+    "max_tokens float": (with_(GOOD_CHAT, max_tokens=1.5), 400, "max_tokens"),
+    "stream not bool": (with_(GOOD_CHAT, stream="yes"), 400, "stream"),
+    "top_p zero": (with_(GOOD_CHAT, top_p=0), 400, "top_p"),
+    "messages empty": (with_(GOOD_CHAT, messages=[]), 400, "messages"),
+    "message not object": (with_(GOOD_CHAT, messages=["hi"]), 400, "messages[0]"),
+    "unknown role": (with_(GOOD_CHAT, messages=[{"role": "robot", "content": "x"}]), 400,
+                     "messages"),
+    "tool_choice unknown tool": (with_(GOOD_CHAT, tools=[{"type": "function", "function": {
+        "name": "f"}}], tool_choice={"type": "function", "function": {"name": "g"}}), 400,
+        "tool_choice"),
+    "tool_choice without tools": (with_(GOOD_CHAT, tool_choice="required"), 400, "tool_choice"),
+    "bad reasoning_effort": (with_(GOOD_CHAT, reasoning_effort="extreme"), 400,
+                             "reasoning_effort"),
+    "n=2": (with_(GOOD_CHAT, n=2), 400, "n"),
+    "image part": (with_(GOOD_CHAT, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400,
+        "messages[0].content[0]"),
+    "stop token id out of vocab": (with_(GOOD_CHAT, stop_token_ids=[10**7]), 400,
+                                   "stop_token_ids"),
+    "string tool arguments not json": (with_(GOOD_CHAT, messages=[
+        {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {
+            "name": "f", "arguments": "{oops"}}]}]), 400, "messages"),
+}
+
+
+def assert_openai_error(r: httpx.Response, status: int, param: str | None) -> None:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"] and isinstance(body["error"]["type"], str)
+    if param is not None:
+        assert body["error"]["param"] == param, body
+
+
+def assert_anthropic_error(r: httpx.Response, status: int, kind: str) -> None:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+    assert body["error"]["type"] == kind and body["error"]["message"]
+
+
+def assert_still_serving(base: str) -> None:
+    r = httpx.post(f"{base}/v1/chat/completions", json=GOOD_CHAT, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == \
+        "Hi! How are you?"
+
+
+@pytest.mark.parametrize("case", list(BAD_CHAT))
+def test_bad_chat_requests(base, case):
+    body, status, param = BAD_CHAT[case]
+    r = httpx.post(f"{base}/v1/chat/completions", content=body,
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert_openai_error(r, status, param)
+    assert_still_serving(base)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": MODEL, "prompt": [5, 10**7]}, "prompt"),
+    ({"model": MODEL, "prompt": ""}, "prompt"),
+    ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+    ({"model": MODEL, "prompt": {"text": "hi"}}, "prompt"),
+])
+def test_bad_completion_requests(base, body, param):
+    r = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] is None or r.json()["error"]["param"].startswith(param)
+
+
+BAD_MESSAGES = {
+    "malformed json": (b'{"model": ', 400, "invalid_request_error"),
+    "missing max_tokens": (json.dumps({"model": MODEL, "messages": GOOD_MESSAGES["messages"]})
+                           .encode(), 400, "invalid_request_error"),
+    "negative max_tokens": (with_(GOOD_MESSAGES, max_tokens=-1), 400, "invalid_request_error"),
+    "huge max_tokens": (with_(GOOD_MESSAGES, max_tokens=10**6), 400, "invalid_request_error"),
+    "unknown model": (with_(GOOD_MESSAGES, model="claude-x"), 404, "not_found_error"),
+    "prompt too long": (with_(GOOD_MESSAGES, messages=LONG_PROMPT), 400, "invalid_request_error"),
+    "tool without schema": (with_(GOOD_MESSAGES, tools=[{"name": "f"}]), 400,
+                            "invalid_request_error"),
+    "schema not an object": (with_(GOOD_MESSAGES, tools=[{"name": "f", "input_schema": {
+        "type": "array"}}]), 400, "invalid_request_error"),
+    "bad thinking": (with_(GOOD_MESSAGES, thinking={"type": "enabled"}), 400,
+                     "invalid_request_error"),
+    "image block": (with_(GOOD_MESSAGES, messages=[{"role": "user", "content": [
+        {"type": "image", "source": {}}]}]), 400, "invalid_request_error"),
+    "bad role": (with_(GOOD_MESSAGES, messages=[{"role": "system", "content": "x"}]), 400,
+                 "invalid_request_error"),
+    "temperature string": (with_(GOOD_MESSAGES, temperature="warm"), 400,
+                           "invalid_request_error"),
+    "bad tool_choice": (with_(GOOD_MESSAGES, tool_choice={"type": "sometimes"}), 400,
+                        "invalid_request_error"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_MESSAGES))
+def test_bad_messages_requests(base, case):
+    body, status, kind = BAD_MESSAGES[case]
+    r = httpx.post(f"{base}/v1/messages", content=body, timeout=30)
+    assert_anthropic_error(r, status, kind)
+    assert_still_serving(base)
+
+
+def test_sdk_errors(base):
+    oai = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.chat.completions.create(model="nope", messages=GOOD_CHAT["messages"])
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model=MODEL, messages=GOOD_CHAT["messages"], max_tokens=-1)
+    claude = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.create(model="nope", max_tokens=5, messages=GOOD_MESSAGES["messages"])
+    with pytest.raises(anthropic.BadRequestError):
+        claude.messages.create(model=MODEL, max_tokens=5000, messages=GOOD_MESSAGES["messages"])
+
+
+def test_unknown_route_and_method(base):
+    assert_openai_error(httpx.get(f"{base}/v1/nothing"), 404, None)
+    assert_openai_error(httpx.get(f"{base}/v1/chat/completions"), 405, None)
+    assert_anthropic_error(httpx.get(f"{base}/v1/messages"), 405, "invalid_request_error")
+
+
+def test_api_key(fake):
+    with serve(create_app(fake, demo_tokenizer(), MODEL, api_key=KEY,
+                          max_model_len=MAX_MODEL_LEN)) as port:
+        base = f"http://127.0.0.1:{port}"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0)
+        assert good.chat.completions.create(model=MODEL, messages=GOOD_CHAT["messages"]).choices
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=base, api_key="wrong", max_retries=0).messages.create(
+                model=MODEL, max_tokens=5, messages=GOOD_MESSAGES["messages"])
+        claude = anthropic.Anthropic(base_url=base, api_key=KEY, max_retries=0)  # x-api-key
+        assert claude.messages.create(model=MODEL, max_tokens=64,
+                                      messages=GOOD_MESSAGES["messages"]).content
+        assert_openai_error(httpx.post(f"{base}/v1/chat/completions", json=GOOD_CHAT), 401, None)
+        assert_anthropic_error(httpx.post(f"{base}/v1/messages", json=GOOD_MESSAGES), 401,
+                               "authentication_error")
+        # Probes and scrapers need no key.
+        assert httpx.get(f"{base}/health").status_code == 200
+        assert httpx.get(f"{base}/metrics").status_code == 200
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"model": MODEL, "stream": True,
+                              "messages": [{"role": "user", "content": "[long]"}]}),
+    ("/v1/messages", {"model": MODEL, "stream": True, "max_tokens": 1000,
+                      "messages": [{"role": "user", "content": "[long]"}]}),
+])
+def test_client_disconnect_aborts_the_request(slow, path, body):
+    base, engine = slow
+    rid, ticks = None, 0  # ticks: data events seen
+    with httpx.stream("POST", f"{base}{path}", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                data = json.loads(line[6:])
+                rid = rid or data.get("id") or data.get("message", {}).get("id")
+                ticks += 1
+            if ticks >= 20:  # mid-stream: "[long]" is 400 ticks, 1000+ tokens
+                break
+    assert rid is not None and ticks >= 20
+    deadline = time.monotonic() + 10
+    while (rid in engine.active or rid not in engine.aborted) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert rid in engine.aborted and rid not in engine.active, \
+        "the engine request kept running after the client left"
+    assert len(engine.prompts) >= 1 and engine.params[rid].max_tokens > 100
+    r = httpx.post(f"{base}/v1/chat/completions", json=GOOD_CHAT, timeout=30)
+    assert r.status_code == 200
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "[long]"}]}),
+    ("/v1/messages", {"model": MODEL, "max_tokens": 1000,
+                      "messages": [{"role": "user", "content": "[long]"}]}),
+])
+def test_non_streaming_client_that_gives_up_aborts_the_request(slow, path, body):
+    base, engine = slow
+    before = len(engine.aborted)
+    with pytest.raises(httpx.ReadTimeout):  # [long] takes ~5 s; the client waits 0.3 s
+        httpx.post(f"{base}{path}", json=body, timeout=0.3)
+    deadline = time.monotonic() + 10
+    while (engine.active or len(engine.aborted) == before) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not engine.active and len(engine.aborted) == before + 1
+    assert_still_serving(base)
+
+
+async def _one_stream(client: httpx.AsyncClient, i: int) -> str:
+    if i % 2:
+        body = {**GOOD_MESSAGES, "stream": True}
+        async with client.stream("POST", "/v1/messages", json=body) as r:
+            assert r.status_code == 200
+            events = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+        assert json.loads(events[-1][6:]) == {"type": "message_stop"}
+        deltas = [json.loads(e[6:]) for e in events]
+        return "".join(d["delta"].get("text", "") for d in deltas
+                       if d["type"] == "content_block_delta")
+    body = {**GOOD_CHAT, "stream": True}
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        events = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+def test_load_64_concurrent_streams(slow):
+    base, engine = slow
+    engine.peak_active = 0
+
+    async def main() -> list[str]:
+        limits = httpx.Limits(max_connections=128)
+        async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as client:
+            return await asyncio.gather(*(_one_stream(client, i) for i in range(64)))
+
+    start = time.monotonic()
+    answers = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert answers == ["Hi! How are you?"] * 64
+    assert engine.peak_active >= 16, "the streams did not overlap"
+    assert time.monotonic() - start < 60
+
+
+METRIC_LINE = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? '
+                         r'(-?[0-9.e+-]+|\+Inf|NaN)$')
+
+
+def test_metrics(base):
+    httpx.post(f"{base}/v1/chat/completions", json=GOOD_CHAT, timeout=30)
+    httpx.post(f"{base}/v1/chat/completions", content=b"{", timeout=30)
+    r = httpx.get(f"{base}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    values: dict[str, float] = {}
+    for line in r.text.splitlines():
+        if line.startswith("#"):
+            assert re.match(r"^# (HELP|TYPE) \S+ .+$", line), line
+            continue
+        assert METRIC_LINE.match(line), line
+        name, value = line.rsplit(" ", 1)
+        values[name] = float(value)
+    p = "autoopt_serve_"
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio",
+                  "kv_cache_capacity_tokens", "generation_tokens_per_second"):
+        assert p + gauge in values
+    assert values[p + "kv_cache_usage_ratio"] == 0.25  # what the fake engine's stats report
+    assert values[p + "generation_tokens_total"] > 0
+    assert values[p + "time_to_first_token_seconds_count"] >= 1
+    assert values[p + "inter_token_latency_seconds_count"] >= 1
+    assert values[p + 'requests_finished_total{endpoint="chat",finish_reason="stop"}'] >= 1
+    assert values[p + 'request_errors_total{status="400"}'] >= 1
+    buckets = [v for k, v in values.items() if k.startswith(p + "time_to_first_token_seconds_b")]
+    assert buckets == sorted(buckets)  # cumulative buckets never decrease
