@@ -1,0 +1,273 @@
+"""Optimization targets: `tasks/<name>.toml` -> `Target`.
+
+A target names the hardware (GPU, arch, datasheet HBM and BF16 rates, which measured ceilings
+replace when the GPU is present), the parallel layout, the phase, batch sizes, context lengths,
+the model preset and an optional layer count for quick proxies. Every shape derives from
+`model.config` (the preset, sharded by the layout) and the op contracts' `shapes_for`.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from model.config import BeamConfig, ShardSpec, preset
+from model.ops import CONTRACTS, Cost
+
+from . import env
+
+PHASES = ("decode", "prefill")
+_ARCH = re.compile(r"^(sm_\d{2,3}a?|cpu)$")
+_TOP_KEYS = {"name", "description", "model", "phase", "batch_sizes", "contexts", "layers",
+             "hardware", "parallel"}
+_HW_KEYS = {"gpu", "arch", "hbm_tb_s", "bf16_tflop_s", "fp32_tflop_s", "memory_gb"}
+_PAR_KEYS = {"tp", "ep"}
+# Named model regions that are not op contracts (model.beam wraps them in `region(...)`), plus
+# the KV write of the profiling workload.
+REGIONS = ("embed", "rope_tables", "o_proj", "dense_gate_up", "dense_down", "lm_head", "kv_write")
+
+
+class TargetError(ValueError):
+    """A target that cannot be loaded or used: says what was wrong and what to do."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpu: str  # device name as torch reports it ("NVIDIA H200"); "cpu" for CPU targets
+    arch: str  # sm_90, sm_100, cpu
+    hbm_tb_s: float
+    bf16_tflop_s: float
+    fp32_tflop_s: float
+    memory_gb: float
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.gpu == "cpu"
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """`count` calls of `name` at `shape` in one step; `cost` is the contract's for one call."""
+
+    name: str
+    shape: dict[str, int]
+    count: int
+    cost: Cost
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    description: str
+    model: str
+    phase: str
+    batch_sizes: tuple[int, ...]
+    contexts: tuple[int, ...]
+    hardware: Hardware
+    tp: int = 1
+    ep: int = 1
+    layers: int | None = None
+    source: Path | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        where = f"target {self.name!r}" + (f" ({self.source})" if self.source else "")
+        if self.phase not in PHASES:
+            raise TargetError(f"{where}: phase {self.phase!r} is not one of {PHASES}")
+        for key in ("batch_sizes", "contexts"):
+            values = getattr(self, key)
+            if not values or any(not isinstance(v, int) or v < 1 for v in values):
+                raise TargetError(f"{where}: {key} must be a non-empty list of positive integers, "
+                                  f"got {list(values)}")
+        if not _ARCH.match(self.hardware.arch):
+            raise TargetError(f"{where}: arch {self.hardware.arch!r} should look like sm_90, "
+                              "sm_100 or cpu")
+        for key in ("hbm_tb_s", "bf16_tflop_s", "fp32_tflop_s", "memory_gb"):
+            if not getattr(self.hardware, key) > 0:
+                raise TargetError(f"{where}: hardware.{key} must be positive")
+        try:
+            cfg = preset(self.model)
+            cfg.shard(self.tp, self.ep)
+        except ValueError as e:
+            raise TargetError(f"{where}: {e}") from None
+        if self.layers is not None and not 1 <= self.layers <= cfg.num_hidden_layers:
+            raise TargetError(f"{where}: layers={self.layers} must be within 1.."
+                              f"{cfg.num_hidden_layers} (the preset's layer count)")
+
+    # ---- model shapes -----------------------------------------------------------------------
+    @property
+    def default_layers(self) -> int:
+        return self.layers or preset(self.model).num_hidden_layers
+
+    def config(self, layers: int | None = None) -> BeamConfig:
+        """The preset with `layers` (default: the target's layer count) layers."""
+        cfg = preset(self.model)
+        n = layers or self.default_layers
+        if not 1 <= n <= cfg.num_hidden_layers:
+            raise TargetError(f"layers={n} must be within 1..{cfg.num_hidden_layers} for "
+                              f"{self.name}")
+        return cfg if n == cfg.num_hidden_layers else cfg.replace(num_hidden_layers=n)
+
+    @property
+    def shard(self) -> ShardSpec:
+        return preset(self.model).shard(self.tp, self.ep)
+
+    def tokens(self, batch: int, context: int | None = None) -> int:
+        """Tokens through the model in one step: one per sequence (decode) or whole prompts."""
+        return batch if self.phase == "decode" else batch * (context or self.contexts[0])
+
+    def op_shapes(self, batch: int, context: int | None = None) -> dict[str, dict[str, int]]:
+        """One call's shape for every op at `batch` (attention: a full-attention layer's)."""
+        shapes: dict[str, dict[str, int]] = {}
+        for call in self.step_calls(batch, context=context):
+            full_attention = call.name == "attention" and call.shape.get("W") == 0
+            if call.name in CONTRACTS and (call.name not in shapes or full_attention):
+                shapes[call.name] = call.shape
+        return shapes
+
+    def step_calls(self, batch: int, layers: int | None = None,
+                   context: int | None = None) -> list[OpCall]:
+        """Every op and region call of one step (as `model.beam` makes them) with its cost."""
+        cfg, shard = self.config(layers), self.shard
+        ctx = context or self.contexts[0]
+        t = self.tokens(batch, ctx)
+        per_seq = 1 if self.phase == "decode" else ctx
+        n, n_slide = cfg.num_hidden_layers, cfg.num_sliding_layers
+        n_dense = sum(m == "dense" for m in cfg.mlp_layer_types)
+        calls: list[OpCall] = []
+
+        def op(name: str, count: int, **kw: Any) -> None:
+            if count:
+                c = CONTRACTS[name]
+                shape = c.shapes_for(cfg, kw.pop("tokens", t), shard, **kw)
+                calls.append(OpCall(name, shape, count, c.cost(shape)))
+
+        def gemm(name: str, count: int, k: int, nout: int, rows: int = t) -> None:
+            if count:
+                shape = {"T": rows, "K": k, "N": nout}
+                calls.append(OpCall(name, shape, count, linear_cost(rows, k, nout)))
+
+        h, hq_d = cfg.hidden_size, shard.num_attention_heads * cfg.head_dim
+        calls.append(OpCall("embed", {"T": t, "H": h}, 1, Cost(bytes=2 * 2 * t * h)))
+        op("rmsnorm", 1)
+        op("qkv_gate_proj", n)
+        op("qk_norm_rope", n_slide)
+        op("qk_norm_ssmax", n - n_slide)
+        if self.phase == "decode":  # the new token's K and V into each layer's cache
+            kv = {"T": t, "Hkv": shard.num_key_value_heads, "D": cfg.head_dim}
+            calls.append(OpCall("kv_write", kv, n, Cost(bytes=2 * 2 * 2 * t * kv["Hkv"] * kv["D"])))
+        full_i = next((i for i in range(n) if cfg.window(i) is None), None)
+        slide_i = next((i for i in range(n) if cfg.window(i) is not None), None)
+        keys = ctx if self.phase == "decode" else None
+        if slide_i is not None:
+            op("attention", n_slide * batch, tokens=per_seq, context=keys, layer=slide_i)
+        if full_i is not None:
+            op("attention", (n - n_slide) * batch, tokens=per_seq, context=keys, layer=full_i)
+        op("attn_output_gate", n)
+        gemm("o_proj", n, hq_d, h)
+        op("norm_residual_norm", 2 * n)
+        gemm("dense_gate_up", n_dense, h, 2 * shard.intermediate_size)  # gate and up: one range
+        op("swiglu", n_dense)
+        gemm("dense_down", n_dense, shard.intermediate_size, h)
+        op("router", n - n_dense)
+        op("moe_experts", n - n_dense)
+        # Logits for the last token of each sequence only (what a serving step computes).
+        gemm("lm_head", 1, h, shard.vocab_size, rows=batch)
+        op("logit_softcap", 1, tokens=batch)
+        return calls
+
+    # ---- the machine --------------------------------------------------------------------------
+    def require_local_gpu(self, proxy: bool = False) -> str | None:
+        """Check that this machine can run the target; returns the proxy note, if a proxy.
+
+        A GPU target runs on its GPU, or with `proxy` on another CUDA GPU at the target's
+        per-rank shapes (then every record says "proxy for <target> measured on <gpu>").
+        """
+        if self.hardware.is_cpu:
+            return None
+        import torch
+
+        if not torch.cuda.is_available():
+            raise TargetError(
+                f"target {self.name} needs a CUDA GPU ({self.hardware.gpu}) and this machine has "
+                "none; run it on that GPU, or on another CUDA GPU with --proxy; without a GPU use "
+                "the cpu-tiny target")
+        local = torch.cuda.get_device_name()
+        if gpu_matches(self.hardware.gpu, local):
+            return None
+        if not proxy:
+            raise TargetError(
+                f"target {self.name} is for {self.hardware.gpu} but this machine has {local}; "
+                f"pass --proxy to measure at {self.name}'s per-rank shapes on {local} (the "
+                "records will say so), or pick a target for this GPU (autoopt targets)")
+        return f"proxy for {self.name} measured on {local}"
+
+
+def gpu_matches(wanted: str, local: str) -> bool:
+    """'NVIDIA H200' matches 'NVIDIA H200' and 'NVIDIA H200 NVL', not 'NVIDIA H100'."""
+    model = " ".join(wanted.replace("NVIDIA", "").lower().split())
+    return bool(model) and f" {model} " in f" {' '.join(local.lower().split())} "
+
+
+def linear_cost(rows: int, k: int, n: int) -> Cost:
+    """A BF16 `[rows, k] @ [n, k]^T`: read both operands and write the output once."""
+    return Cost(bytes=2 * (rows * k + n * k + rows * n), flops=2 * rows * k * n)
+
+
+# ---- loading ----------------------------------------------------------------------------------
+def _check_keys(where: str, table: dict, allowed: set[str], section: str = "") -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise TargetError(f"{where}: unknown key(s) {unknown} in {section or 'the top level'}; "
+                          f"allowed: {sorted(allowed)}")
+
+
+def target_from_dict(data: dict[str, Any], source: Path | None = None) -> Target:
+    where = str(source or data.get("name", "<target>"))
+    _check_keys(where, data, _TOP_KEYS)
+    hw, par = data.get("hardware"), data.get("parallel", {})
+    if not isinstance(hw, dict):
+        raise TargetError(f"{where}: a [hardware] table is required (keys {sorted(_HW_KEYS)})")
+    _check_keys(where, hw, _HW_KEYS, "[hardware]")
+    _check_keys(where, par, _PAR_KEYS, "[parallel]")
+    missing = [k for k in ("name", "model", "phase", "batch_sizes", "contexts") if k not in data]
+    missing += [f"hardware.{k}" for k in sorted(_HW_KEYS) if k not in hw]
+    if missing:
+        raise TargetError(f"{where}: missing required key(s) {missing}")
+    try:
+        hardware = Hardware(gpu=str(hw["gpu"]), arch=str(hw["arch"]),
+                            **{k: float(hw[k]) for k in _HW_KEYS - {"gpu", "arch"}})
+        return Target(
+            name=str(data["name"]), description=str(data.get("description", "")),
+            model=str(data["model"]), phase=str(data["phase"]),
+            batch_sizes=tuple(data["batch_sizes"]), contexts=tuple(data["contexts"]),
+            hardware=hardware, tp=int(par.get("tp", 1)), ep=int(par.get("ep", 1)),
+            layers=data.get("layers"), source=source)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, TargetError):
+            raise
+        raise TargetError(f"{where}: {e}") from None
+
+
+def list_targets(tasks: Path | None = None) -> list[str]:
+    """Names of the targets in the tasks directory, sorted."""
+    folder = tasks or env.tasks_dir()
+    return sorted(p.stem for p in folder.glob("*.toml"))
+
+
+def load_target(name_or_path: str | Path, tasks: Path | None = None) -> Target:
+    """A target by name (`tasks/<name>.toml`) or by path to a TOML file."""
+    path = Path(name_or_path)
+    if not (path.suffix == ".toml" or path.exists()):
+        path = (tasks or env.tasks_dir()) / f"{name_or_path}.toml"
+    if not path.is_file():
+        known = ", ".join(list_targets(tasks)) or "none"
+        raise TargetError(f"no target {str(name_or_path)!r} (looked for {path}); known targets: "
+                          f"{known}")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise TargetError(f"{path} is not valid TOML: {e}") from None
+    return target_from_dict(data, source=path)

@@ -1,0 +1,142 @@
+"""`autoopt profile --target cpu-tiny` end to end on the CPU (the torch.profiler fallback)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from autoopt.cli import app
+from autoopt.profiler.attribution import IDLE, OTHER, Profile
+from autoopt.targets import load_target
+from model.ops import CONTRACTS
+
+runner = CliRunner()
+WIDE = {"COLUMNS": "200"}
+# Every op contract the tiny model calls (it has dense and MoE layers, sliding and full
+# attention); allreduce_norm_residual_norm only runs under TP > 1.
+MODEL_OPS = {"rmsnorm", "norm_residual_norm", "qkv_gate_proj", "qk_norm_rope", "qk_norm_ssmax",
+             "attention", "attn_output_gate", "router", "moe_experts", "swiglu", "logit_softcap"}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile")
+    result = runner.invoke(app, ["profile", "--target", "cpu-tiny", "--out", str(out)], env=WIDE)
+    assert result.exit_code == 0, result.output
+    return out, result.output
+
+
+@pytest.fixture(scope="module")
+def prof(run_dir) -> Profile:
+    return Profile.load(run_dir[0] / "profile.json")
+
+
+def test_outputs_written(run_dir, prof):
+    out, text = run_dir
+    assert (out / "profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads((out / "profile.json").read_text())
+    assert data["schema"] == "autoopt.profile/1" and data["target"] == "cpu-tiny"
+    for col in ("op", "calls", "kernels", "time", "share", "bytes", "GB/s", "floor", "gap"):
+        assert col in text
+    assert "torch.profiler" in text  # the fallback is stated
+    assert prof.backend == "torch" and prof.gpu == "cpu" and prof.proxy is None
+
+
+def test_shares_sum_to_100(prof):
+    # Shares are rounded only in the table; stored ones sum to 100 up to float error.
+    assert abs(sum(r.share for r in prof.rows) - 100.0) <= 0.5
+    assert prof.rows[-1].op == IDLE
+    assert prof.kernel_us + prof.row(IDLE).time_us == pytest.approx(prof.step_us, rel=1e-6)
+
+
+def test_every_model_op_appears(prof):
+    assert MODEL_OPS <= set(CONTRACTS)
+    present = {r.op for r in prof.rows if r.kernels > 0 and r.time_us > 0}
+    assert MODEL_OPS <= present, MODEL_OPS - present
+    for region in ("embed", "o_proj", "lm_head", "kv_write"):
+        assert region in present
+
+
+def test_calls_match_the_step_structure(prof):
+    # Measured range entries equal the static count from the target (nothing double-counted).
+    want: dict[str, int] = {}
+    for c in load_target("cpu-tiny").step_calls(prof.batch, prof.layers, prof.context):
+        want[c.name] = want.get(c.name, 0) + c.count
+    for op, n in want.items():
+        assert prof.row(op).calls == n, op
+
+
+def test_floors_and_gaps(prof):
+    for r in prof.ops():
+        if r.op in MODEL_OPS:
+            assert r.floor_us is not None and r.floor_us > 0
+            assert r.gap_us == pytest.approx(r.time_us - r.floor_us)
+            assert r.bytes_source == "cost model" and r.bytes > 0
+    assert not prof.rates.meaningful  # CPU floors are nominal, and say so
+    ranked = prof.ranked()
+    assert [r.op for r in ranked] and set(r.op for r in ranked) <= MODEL_OPS
+
+
+def test_compare(run_dir, tmp_path):
+    a = run_dir[0] / "profile.json"
+    data = json.loads(a.read_text())
+    data["batch"] = 5
+    for row in data["rows"]:
+        row["time_us"] /= 2
+    b = tmp_path / "tuned.json"
+    b.write_text(json.dumps(data))
+    result = runner.invoke(app, ["profile", "--compare", str(a), str(b)], env=WIDE)
+    assert result.exit_code == 0, result.output
+    assert "speedup" in result.output and "2.00x" in result.output
+    assert "differ in batch: 3 vs 5" in result.output
+
+
+def test_profile_errors(tmp_path):
+    result = runner.invoke(app, ["profile"], env=WIDE)
+    assert result.exit_code == 2 and "--target" in result.output
+    not_json = tmp_path / "x.json"
+    not_json.write_text("{}")
+    result = runner.invoke(app, ["profile", "--compare", str(not_json), str(not_json)], env=WIDE)
+    assert result.exit_code == 2 and "not an autoopt profile" in result.output
+    result = runner.invoke(app, ["profile", "--target", "cpu-tiny", "--backend", "nsys"], env=WIDE)
+    assert result.exit_code == 2 and "unknown backend 'nsys'" in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusals")
+def test_gpu_only_paths_refused_on_cpu():
+    result = runner.invoke(app, ["profile", "--target", "cpu-tiny", "--backend", "ncu"],
+                           env=WIDE)
+    assert result.exit_code == 2 and "needs a CUDA GPU" in result.output
+    result = runner.invoke(app, ["ceilings"], env=WIDE)
+    assert result.exit_code == 2 and "no CUDA GPU" in result.output
+
+
+def test_other_row_only_holds_unranged_work(prof):
+    # Attention glue (torch.cat of per-sequence outputs, views) is the only unranged work.
+    other = [r for r in prof.rows if r.op == OTHER]
+    assert len(other) <= 1
+    if other:
+        assert other[0].share < 5.0
+
+
+def test_prefill_step_on_cpu(tmp_path):
+    # A prefill twin of cpu-tiny: whole prompts through the causal backend, logits of the last
+    # token of each prompt only.
+    from autoopt import env
+    from autoopt.profiler import profile_step
+
+    toml = (env.tasks_dir() / "cpu-tiny.toml").read_text()
+    toml = toml.replace('name = "cpu-tiny"', 'name = "cpu-tiny-prefill"').replace(
+        'phase = "decode"', 'phase = "prefill"').replace("contexts = [40]", "contexts = [19]")
+    path = tmp_path / "cpu-tiny-prefill.toml"
+    path.write_text(toml)
+    p = profile_step(path, batch=2, repeats=1)
+    assert p.phase == "prefill" and p.context == 19
+    assert MODEL_OPS <= {r.op for r in p.rows if r.kernels > 0}
+    assert "kv_write" not in {r.op for r in p.rows}
+    assert p.row("attention").calls == 2 * p.layers  # one call per prompt per layer
+    assert p.row("logit_softcap").calls == 1
+    assert abs(sum(r.share for r in p.rows) - 100.0) <= 0.5

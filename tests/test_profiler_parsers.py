@@ -1,0 +1,337 @@
+"""Profiler internals on synthetic data: trace and Nsight parsing, attribution arithmetic.
+
+The GPU paths (CUPTI kernels in a torch.profiler trace, Nsight Compute reports) cannot run on
+the CPU; these tests feed them hand-made inputs in the documented formats.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import stat
+import sys
+import textwrap
+import types
+
+import pytest
+
+from autoopt.profiler import nsight
+from autoopt.profiler.attribution import (
+    IDLE,
+    OTHER,
+    KernelRecord,
+    Rates,
+    align_by_order,
+    attribute,
+    innermost,
+)
+from autoopt.profiler.torch_trace import _Segments, parse_chrome_trace
+from autoopt.targets import OpCall
+from model.ops import Cost
+
+
+def _x(cat, name, ts, dur, tid=1, **args):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1,
+            "args": args}
+
+
+def test_segments_pick_the_innermost_range():
+    seg = _Segments([(0, 100, "autoopt_step"), (10, 40, "o_proj"), (20, 30, "attention"),
+                     (50, 60, "rmsnorm")])
+    assert [seg.at(t) for t in (5, 15, 25, 35, 45, 55, 99, 100)] == [
+        "autoopt_step", "o_proj", "attention", "o_proj", "autoopt_step", "rmsnorm",
+        "autoopt_step", OTHER]
+
+
+def test_chrome_trace_gpu_kernels_attributed_through_their_launch():
+    events = [
+        _x("user_annotation", "autoopt_step", 0, 100),
+        _x("user_annotation", "rmsnorm", 10, 10),
+        _x("user_annotation", "moe_experts", 30, 40),
+        _x("user_annotation", "moe_experts", 75, 10),
+        _x("cuda_runtime", "cudaLaunchKernel", 12, 2, correlation=1),
+        _x("cuda_runtime", "cudaLaunchKernel", 35, 2, correlation=2),
+        _x("cuda_driver", "cuLaunchKernel", 50, 2, correlation=3),
+        _x("cuda_runtime", "cudaLaunchKernel", 90, 2, correlation=4),  # outside every op
+        _x("cuda_runtime", "cudaLaunchKernel", 150, 2, correlation=5),  # after the step
+        _x("kernel", "rms_kernel", 1000, 7.5, tid=7, correlation=1),
+        _x("kernel", "gemm", 1010, 20.0, tid=7, correlation=2),
+        _x("kernel", "gemm", 1031, 30.0, tid=7, correlation=3),
+        _x("gpu_memcpy", "Memcpy DtoD", 1070, 1.0, tid=7, correlation=4),
+        _x("kernel", "late", 1200, 5.0, tid=7, correlation=5),
+    ]
+    trace = parse_chrome_trace(events)
+    assert trace.device == "cuda" and trace.step_range_us == 100
+    assert [(r.name, r.op, r.duration_us, r.kind) for r in trace.records] == [
+        ("rms_kernel", "rmsnorm", 7.5, "kernel"), ("gemm", "moe_experts", 20.0, "kernel"),
+        ("gemm", "moe_experts", 30.0, "kernel"), ("Memcpy DtoD", OTHER, 1.0, "memcpy")]
+    assert trace.calls == {"rmsnorm": 1, "moe_experts": 2}
+
+
+def test_chrome_trace_cpu_uses_top_level_ops():
+    events = [
+        _x("user_annotation", "autoopt_step", 0, 100),
+        _x("user_annotation", "swiglu", 10, 30),
+        _x("cpu_op", "aten::mul", 12, 10),
+        _x("cpu_op", "aten::empty", 13, 1),  # nested in aten::mul: not a kernel of its own
+        _x("cpu_op", "aten::to", 25, 10),
+        _x("cpu_op", "aten::cat", 60, 5),
+        _x("cpu_op", "aten::add", 60, 5, tid=2),  # another thread
+    ]
+    trace = parse_chrome_trace(events)
+    assert trace.device == "cpu"
+    assert [(r.name, r.op, r.duration_us) for r in trace.records] == [
+        ("aten::mul", "swiglu", 10.0), ("aten::to", "swiglu", 10.0), ("aten::cat", OTHER, 5.0)]
+
+
+def test_chrome_trace_without_step_range_is_an_error():
+    with pytest.raises(ValueError, match="no 'autoopt_step' range"):
+        parse_chrome_trace([_x("cpu_op", "aten::mul", 0, 1)])
+
+
+def test_attribute_shares_floors_and_idle():
+    recs = [KernelRecord("a", "rmsnorm", 30.0, 3000), KernelRecord("b", "moe_experts", 50.0, 9000),
+            KernelRecord("c", OTHER, 5.0, 10)]
+    expected = [OpCall("rmsnorm", {"T": 1}, 2, Cost(bytes=1000, flops=0)),
+                OpCall("moe_experts", {"T": 1}, 1, Cost(bytes=2000, flops=4000)),
+                OpCall("router", {"T": 1}, 1, Cost(bytes=100, flops=10))]
+    rates = Rates(1e9, 1e9, 1e6, "test")  # 1 byte/ns; FP32 slow, so the router is FLOP-bound
+    rows, kernel_us, floor_us = attribute(recs, {"rmsnorm": 2}, expected, rates, step_us=100.0)
+    by = {r.op: r for r in rows}
+    assert [r.op for r in rows] == ["moe_experts", "rmsnorm", "router", OTHER, IDLE]
+    assert kernel_us == 85.0 and by[IDLE].time_us == 15.0
+    assert sum(r.share for r in rows) == pytest.approx(100.0)
+    assert by["rmsnorm"].floor_us == pytest.approx(2.0) and by["rmsnorm"].gap_us == 28.0
+    assert by["moe_experts"].floor_us == pytest.approx(4.0)  # FLOPs bound at 1 GFLOP/s
+    assert by["router"].floor_us == pytest.approx(10.0)  # FP32 rate for the router
+    assert by["router"].time_us == 0.0 and by["router"].calls == 1
+    assert by["rmsnorm"].bytes == 3000 and by["rmsnorm"].bytes_source == "ncu"
+    assert by["moe_experts"].gbps == pytest.approx(9000 / 50.0 / 1e3)
+    assert floor_us == pytest.approx(16.0)
+
+
+def test_attribute_without_measured_bytes_and_kernels_over_wall():
+    recs = [KernelRecord("a", "rmsnorm", 30.0), KernelRecord("b", "rmsnorm", 90.0)]
+    expected = [OpCall("rmsnorm", {"T": 1}, 1, Cost(bytes=500))]
+    rows, kernel_us, _ = attribute(recs, {}, expected, Rates(1e9, 1e9, 1e9, "t"), step_us=100.0)
+    by = {r.op: r for r in rows}
+    assert by["rmsnorm"].bytes == 500 and by["rmsnorm"].bytes_source == "cost model"
+    assert by[IDLE].time_us == 0.0  # never negative: shares are then over kernel time
+    assert sum(r.share for r in rows) == pytest.approx(100.0)
+
+
+def test_innermost_and_alignment():
+    assert innermost(["autoopt_step", "moe_experts"]) == "moe_experts"
+    assert innermost(["autoopt_step", "o_proj", "not-a-range"]) == "o_proj"
+    assert innermost([]) == OTHER
+    ncu = [KernelRecord("k1", OTHER, 1.0, 8), KernelRecord("k2", OTHER, 2.0, 16)]
+    ref = [KernelRecord("k1", "rmsnorm", 1.1), KernelRecord("m", OTHER, 0.1, kind="memcpy"),
+           KernelRecord("k2", "router", 2.2)]
+    aligned = align_by_order(ncu, ref)
+    assert [(r.op, r.duration_us, r.dram_bytes) for r in aligned] == [("rmsnorm", 1.0, 8),
+                                                                      ("router", 2.0, 16)]
+    assert align_by_order(ncu, ref[:1]) is None
+
+
+def _csv(rows: list[list[str]], preamble: str = "") -> str:
+    buf = io.StringIO()
+    csv.writer(buf, quoting=csv.QUOTE_ALL, lineterminator="\n").writerows(rows)
+    return preamble + buf.getvalue()
+
+
+NVTX_COL = "thread Domain:Push/Pop_Range:PL_Type:PL_Value:CLR_Type:Color:Msg_Type:Msg"
+LAUNCH = ["1", "7", "(128, 1, 1)", "(1, 1, 1)", "0", "9.0", "Command line profiler metrics"]
+NORM = ["0", "1", "python", "h", "<default domain>:autoopt_step/norm_residual_norm:none:none",
+        "k_norm"] + LAUNCH
+COPY = ["1", "1", "python", "h", "<default domain>:autoopt_step:none:none", "k_copy"] + LAUNCH
+LONG_CSV = _csv([
+    ["ID", "Process ID", "Process Name", "Host Name", NVTX_COL, "Kernel Name", "Context",
+     "Stream", "Block Size", "Grid Size", "Device", "CC", "Section Name", "Metric Name",
+     "Metric Unit", "Metric Value"],
+    NORM + ["dram__bytes_read.sum", "Kbyte", "1,024.5"],
+    NORM + ["dram__bytes_write.sum", "byte", "512"],
+    NORM + ["gpu__time_duration.sum", "usecond", "3.25"],
+    COPY + ["gpu__time_duration.sum", "nsecond", "1500"],
+    COPY + ["dram__bytes_read.sum", "byte", "10"],
+    COPY + ["dram__bytes_write.sum", "byte", "20"],
+], preamble="==PROF== Connected to process 1\n")
+WIDE_CSV = _csv([
+    ["ID", "Kernel Name", "thread Domain:Push/Pop_Range", "gpu__time_duration.sum",
+     "dram__bytes_read.sum", "dram__bytes_write.sum"],
+    ["", "", "", "msecond", "Mbyte", "byte"],
+    ["5", "gemm", "autoopt_step/moe_experts", "0.002", "1.5", "100"],
+    ["6", "rms", "autoopt_step/rmsnorm", "0.001", "0", "0"],
+])
+
+
+def test_parse_ncu_csv_long_and_wide():
+    long = nsight.parse_ncu_csv(LONG_CSV)
+    assert [(r.name, r.op) for r in long] == [("k_norm", "norm_residual_norm"), ("k_copy", OTHER)]
+    assert long[0].duration_us == pytest.approx(3.25) and long[0].dram_bytes == 1024500 + 512
+    assert long[1].duration_us == pytest.approx(1.5) and long[1].dram_bytes == 30
+    wide = nsight.parse_ncu_csv(WIDE_CSV)
+    assert [(r.op, r.duration_us, r.dram_bytes) for r in wide] == [
+        ("moe_experts", pytest.approx(2.0), 1500100), ("rmsnorm", pytest.approx(1.0), 0)]
+    with pytest.raises(nsight.NcuError, match="no header row"):
+        nsight.parse_ncu_csv("nothing here\n")
+
+
+def _fake_ncu_report(actions):
+    class Metric:
+        def __init__(self, value, unit):
+            self._v, self._u = value, unit
+
+        def as_double(self):
+            return self._v
+
+        def unit(self):
+            return self._u
+
+    class Domain:
+        def __init__(self, stack):
+            self._s = stack
+
+        def push_pop_ranges(self):
+            return tuple(self._s)
+
+    class State:
+        def __init__(self, stack):
+            self._d = Domain(stack)
+
+        def domains(self):
+            return [0]
+
+        def domain_by_id(self, i):
+            return self._d
+
+    class Action:
+        def __init__(self, name, stack, metrics):
+            self._n, self._st, self._m = name, stack, metrics
+
+        def name(self):
+            return self._n
+
+        def nvtx_state(self):
+            return State(self._st)
+
+        def metric_by_name(self, name):
+            v = self._m.get(name)
+            return None if v is None else Metric(*v)
+
+    class Range:
+        def num_actions(self):
+            return len(actions)
+
+        def action_by_idx(self, i):
+            return Action(*actions[i])
+
+    class Report:
+        def num_ranges(self):
+            return 1
+
+        def range_by_idx(self, i):
+            return Range()
+
+    return types.SimpleNamespace(load_report=lambda path: Report())
+
+
+def test_read_with_ncu_report(monkeypatch, tmp_path):
+    fake = _fake_ncu_report([
+        ("gemm", ["autoopt_step", "qkv_gate_proj"],
+         {nsight.TIME: (2500.0, "nsecond"), nsight.READ: (2.0, "Mbyte"),
+          nsight.WRITE: (4.0, "kbyte")}),
+        ("copy", ["autoopt_step"], {nsight.TIME: (1.0, "usecond")}),
+    ])
+    monkeypatch.setitem(sys.modules, "ncu_report", fake)
+    recs = nsight.read_with_ncu_report(tmp_path / "x.ncu-rep", "ncu")
+    assert [(r.name, r.op, r.duration_us, r.dram_bytes) for r in recs] == [
+        ("gemm", "qkv_gate_proj", pytest.approx(2.5), 2004000), ("copy", OTHER, 1.0, None)]
+
+
+def test_run_ncu_without_ncu(monkeypatch):
+    monkeypatch.setattr(nsight, "find_ncu", lambda: None)
+    with pytest.raises(nsight.NcuError, match="ncu .* not found"):
+        nsight.run_ncu("cpu-tiny", 1, 8, 40)
+
+
+def _fake_ncu(tmp_path, body: str):
+    script = tmp_path / "ncu"
+    script.write_text(f"#!{sys.executable}\n" + textwrap.dedent(body))
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
+def test_run_ncu_with_a_fake_cli(monkeypatch, tmp_path):
+    # A stand-in ncu: writes the report it is asked for, prints the CSV on --import. The real
+    # module reader is absent here, so this also checks the CSV fallback and the command line.
+    csv_path = tmp_path / "out.csv"
+    csv_path.write_text(WIDE_CSV)
+    script = _fake_ncu(tmp_path, f'''
+        import sys
+        args = sys.argv[1:]
+        if "--version" in args:
+            print("NVIDIA (R) Nsight Compute Command Line Profiler\\nVersion 2025.3.1.0")
+        elif "--import" in args:
+            print(open({str(csv_path)!r}).read())
+        else:
+            assert "--clock-control" in args and args[args.index("--clock-control") + 1] == "none"
+            assert args[args.index("--nvtx-include") + 1] == "autoopt_step/"
+            assert "autoopt.profiler.workload" in args
+            open(args[args.index("-o") + 1] + ".ncu-rep", "w").write("rep")
+    ''')
+    monkeypatch.setenv("AUTOOPT_NCU", str(script))
+    monkeypatch.delitem(sys.modules, "ncu_report", raising=False)
+    monkeypatch.setattr(nsight, "_ncu_report_module",
+                        lambda ncu: (_ for _ in ()).throw(ImportError("no ncu_report")))
+    run = nsight.run_ncu("cpu-tiny", 1, 8, 40, out_dir=tmp_path / "rep", timeout_s=120)
+    assert run.version == "2025.3.1.0" and run.reader.startswith("csv")
+    assert [r.op for r in run.records] == ["moe_experts", "rmsnorm"]
+
+
+def test_run_ncu_failure_is_reported(monkeypatch, tmp_path):
+    script = _fake_ncu(tmp_path, '''
+        import sys
+        print("==ERROR== Failed to initialize the profiler: LibraryNotLoaded")
+        sys.exit(1)
+    ''')
+    monkeypatch.setenv("AUTOOPT_NCU", str(script))
+    with pytest.raises(nsight.NcuError, match="LibraryNotLoaded"):
+        nsight.run_ncu("cpu-tiny", 1, 8, 40, out_dir=tmp_path / "rep", timeout_s=120)
+
+
+def test_assemble_prefers_ncu_and_aligns_unlabelled_kernels(monkeypatch):
+    import torch
+
+    import autoopt.profiler as profiler
+    from autoopt.profiler import _assemble
+    from autoopt.profiler.torch_trace import Trace
+    from autoopt.targets import load_target
+
+    monkeypatch.setattr(profiler, "local_rates", lambda *a: Rates(4e12, 8e14, 5e13, "test"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+
+    t = load_target("cpu-tiny")
+    trace = Trace([KernelRecord("k1", "rmsnorm", 2.0), KernelRecord("k2", "moe_experts", 6.0),
+                   KernelRecord("m", OTHER, 1.0, kind="memcpy")], {"rmsnorm": 1}, 50.0, "cuda")
+    # No NVTX stacks in the report: labels come from the trace by launch order.
+    ncu = nsight.NcuRun([KernelRecord("k1", OTHER, 2.2, 100), KernelRecord("k2", OTHER, 6.6, 900)],
+                        "2025.3.1", 12.0, "csv", "ncu ...")
+    p = _assemble(t, 3, 40, 8, "reference", 0, None, torch.device("cuda"), trace, ncu,
+                  "ncu 2025.3.1", 20.0, None, "not capturable", [])
+    assert p.backend == "ncu" and "launch order" in p.backend_note
+    assert p.row("moe_experts").bytes == 900 and p.row("moe_experts").bytes_source == "ncu"
+    assert p.kernel_us == pytest.approx(8.8) and p.row(IDLE).time_us == pytest.approx(11.2)
+    assert p.checks["ncu_vs_torch_profiler_kernel_time"] == pytest.approx(8.8 / 9.0)
+    assert p.step_source.startswith("CUDA events")
+
+
+def test_run_ncu_timeout_ends_the_child(monkeypatch, tmp_path):
+    script = _fake_ncu(tmp_path, '''
+        import time
+        time.sleep(60)
+    ''')
+    monkeypatch.setenv("AUTOOPT_NCU", str(script))
+    start = __import__("time").perf_counter()
+    with pytest.raises(nsight.NcuError, match="did not finish within 1 s"):
+        nsight.run_ncu("cpu-tiny", 1, 8, 40, out_dir=tmp_path / "rep", timeout_s=1)
+    assert __import__("time").perf_counter() - start < 30
