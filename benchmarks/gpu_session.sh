@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# One GPU-machine call of the lead's session: phase 1 (GPU tests, kernels, eval
+# harness), 2 (profiles, serving benchmark), 3 (optimize loop) or tp (2 GPUs). Everything lands in one tarball under $OUT,
+# since at most 8 files come back.
+#   bash benchmarks/gpu_session.sh 1|2|3|tp
+set -uo pipefail
+phase=${1:?phase 1, 2 or tp}
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+R=/tmp/res; mkdir -p "$R"
+export AUTOOPT_CACHE=$R/cache
+{ nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; git log -1 --format=%H 2>/dev/null; } > "$R/machine-$phase.txt" 2>&1
+run() {  # run NAME SECONDS CMD...: bounded, logged, never fatal
+  local name=$1 secs=$2; shift 2
+  echo "== $name (limit ${secs}s) $(date +%T)"
+  timeout --kill-after=10 "$secs" "$@" > "$R/$name.log" 2>&1
+  echo "== $name exit $? $(date +%T)"; tail -n 25 "$R/$name.log"
+}
+case $phase in
+  1)
+    run gpu-tests 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/
+    run kernels 150 python3 benchmarks/gpu_kernels.py --out "$R/kernels"
+    run eval 100 python3 benchmarks/eval_harness_gpu.py --out "$R/eval"
+    ;;
+  1b)  # what phase 1 did not finish in its first call
+    run gpu-tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 \
+      tests/test_kernels_triton_v1.py tests/test_eval_gpu.py tests/test_serve_gpu.py \
+      tests/test_profiler_gpu.py tests/test_api_engine.py
+    run kernels 170 python3 benchmarks/gpu_kernels.py --out "$R/kernels" \
+      --ops attn_output_gate,swiglu,logit_softcap
+    run profile 170 python3 benchmarks/gpu_profile.py --out "$R/profile" --budget-s 150
+    ;;
+  A)  # the second call's results (1b) came back too large to fetch: repeat what it measured
+    run kernels 120 python3 benchmarks/gpu_kernels.py --out "$R/kernels" \
+      --ops attn_output_gate,swiglu,logit_softcap
+    run profile 160 python3 benchmarks/gpu_profile.py --out "$R/profile" --budget-s 130
+    run serve 150 python3 benchmarks/serve_bench.py --out "$R/serve"
+    run gpu-tests 130 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=100 \
+      tests/test_kernels_triton_v1.py tests/test_serve_gpu.py tests/test_eval_gpu.py
+    ;;
+  2)
+    run profile 230 python3 benchmarks/gpu_profile.py --out "$R/profile" --budget-s 200
+    run serve 180 python3 benchmarks/serve_bench.py --out "$R/serve"
+    ;;
+  3b)  # the first optimize call spent its budget before reaching the qk ops
+    run optimize 240 env OUT="$R/optimize2" BUDGET=190s OPS=qk_norm_rope,qk_norm_ssmax \
+      bash benchmarks/gpu_optimize.sh
+    ;;
+  3)
+    run optimize 400 env OUT="$R/optimize" BUDGET=3m bash benchmarks/gpu_optimize.sh
+    ;;
+  tp)
+    run tp 280 python3 benchmarks/tp_bench.py --out "$R/tp"
+    ;;
+esac
+# Nsight report files are large (over the 16 MiB a fetched file may have): keep their summaries.
+tar czf "$OUT/results-$phase.tgz" --exclude='*.ncu-rep' --exclude='*.nsys-rep' -C "$R" . && ls -la "$OUT"
