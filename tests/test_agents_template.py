@@ -47,6 +47,56 @@ def test_templates_render_to_complete_variants(op, tmp_path):
         assert CONTRACTS[op].signature.split("(")[0] == op
 
 
+def _undefined_globals(source: str) -> set[str]:
+    """Names a function of `source` reads as globals that the module never binds."""
+    import builtins
+    import symtable
+
+    top = symtable.symtable(source, "variant", "exec")
+    bound = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()}
+    missing, tables = set(), list(top.get_children())
+    while tables:
+        table = tables.pop()
+        tables += table.get_children()
+        missing |= {s.get_name() for s in table.get_symbols()
+                    if s.is_global() and s.is_referenced() and s.get_name() not in bound}
+    return missing - set(dir(builtins))
+
+
+@pytest.mark.parametrize("op", sorted(REQUIRED))
+def test_rendered_variants_inline_the_shared_helpers_and_stand_alone(op, tmp_path):
+    for spec in CATALOG[op]:
+        src = spec.render()
+        assert "{{" not in src  # every snippet line was replaced
+        assert "autoopt" not in src.replace("autoopt's template agent", "")
+        assert "_common" not in src and "import _" not in src  # no snippet or variant imports
+        assert not _undefined_globals(src), _undefined_globals(src)
+        # The templates' F401/F821 ignores (pyproject) must not hide anything in what is run.
+        ruff = shutil.which("ruff")
+        if ruff:
+            path = tmp_path / f"{op}_{spec.name}.py"
+            path.write_text(src)
+            res = subprocess.run([ruff, "check", "--no-cache", "--isolated", "--line-length",
+                                  "100", "--select", "E,F,W,I,B,UP", "--ignore", "E731,B905",
+                                  str(path)], capture_output=True, text=True)
+            assert res.returncode == 0, res.stdout
+
+
+def test_snippet_lines_must_name_a_section_and_list_what_it_defines():
+    from autoopt.agents.template import _inline
+
+    assert "def _exp(x, ON_GPU: tl.constexpr):" in _inline("# {{common.exp}}: _exp\n", "t")
+    text = "a = 1\n# {{rows.layout}}: cpu_lanes, torch_head_layout\nb = 2\n"
+    out = _inline(text, "t")
+    assert out.startswith("a = 1\ndef cpu_lanes(") and out.endswith("\nb = 2\n")
+    with pytest.raises(ValueError, match="defines _exp: list exactly those"):
+        _inline("# {{common.exp}}: _exp, _log1p\n", "t")
+    with pytest.raises(ValueError, match="no section 'nope' in templates/_common.py"):
+        _inline("# {{common.nope}}: x\n", "t")
+    with pytest.raises(ValueError, match="no snippet file"):
+        _inline("# {{nofamily.exp}}: _exp\n", "t")
+
+
 @pytest.mark.parametrize("op", ["qk_norm_rope", "qk_norm_ssmax"])
 def test_qk_templates_pass_the_harness_on_cpu(op, tmp_path):
     from autoopt.eval.verify import verify_variant

@@ -7,12 +7,19 @@ tunes the meta-parameters per token bucket of the target with Optuna (one persis
 bucket in `<workdir>/optuna.journal`; exhaustive grid when the space fits the trial budget, TPE
 otherwise), and proposes the template with its tuned configs. The harness times every trial and
 verifies the proposal; the agent only chooses what to try.
+
+Helpers several templates share live once in the snippet files `templates/_<family>.py`; a template
+line `# {{family.section}}: name, ...` is replaced by that section, byte for byte, at render time
+(the names after the colon must be exactly what the section defines). A rendered variant is thus
+self-contained: its sha256 pins all the code it runs, and it imports neither autoopt nor another
+variant.
 """
 
 from __future__ import annotations
 
 import ast
 import math
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,6 +29,8 @@ from typing import Any
 from .base import TEMPLATES, Feedback, Limits, OptimizationTask, Proposal
 
 HEADER_MARK = "# {{HEADER}}"
+_INCLUDE = re.compile(r"^# \{\{(\w+)\.(\w+)\}\}: (.*)$", re.M)  # `# {{rows.layout}}: a, b`
+_SECTION = re.compile(r"^# \{\{snippet (\w+)\}\}\n(.*?)\n# \{\{end\}\}$", re.M | re.S)
 TUNE_RESERVE_S = 20.0  # leave this much of a session's time for verification and timing
 
 
@@ -43,7 +52,7 @@ class TemplateSpec:
         text = self.text()
         if HEADER_MARK not in text:
             raise ValueError(f"template {self.file} has no {HEADER_MARK!r} line")
-        return text.replace(HEADER_MARK, header, 1)
+        return _inline(text.replace(HEADER_MARK, header, 1), self.file)
 
     def space(self) -> dict[str, list]:
         return _module_literal(self.text(), "CONFIG_SPACE") or {}
@@ -53,6 +62,41 @@ class TemplateSpec:
 
     def notes(self) -> str:
         return f"Hypothesis: {self.hypothesis}\n\nPrediction: {self.prediction}"
+
+
+def _inline(text: str, where: str) -> str:
+    """`text` with every `# {{family.section}}: names` line replaced by that snippet section."""
+    def section(m: re.Match) -> str:
+        family, name, listed = m.group(1), m.group(2), m.group(3)
+        sections = _snippets(family)
+        if name not in sections:
+            raise ValueError(f"{where}: no section {name!r} in templates/_{family}.py (it has "
+                             f"{sorted(sections)}); add it there or fix the line {m.group(0)!r}")
+        body, defines = sections[name]
+        if [n.strip() for n in listed.split(",")] != defines:
+            raise ValueError(f"{where}: {m.group(0)!r} lists names the section does not define; "
+                             f"templates/_{family}.py section {name!r} defines "
+                             f"{', '.join(defines)}: list exactly those, in that order")
+        return body
+
+    return _INCLUDE.sub(section, text)
+
+
+def _snippets(family: str) -> dict[str, tuple[str, list[str]]]:
+    """{section: (exact text, top-level names it defines)} of templates/_<family>.py."""
+    path = TEMPLATES / f"_{family}.py"
+    if not path.is_file():
+        raise ValueError(f"no snippet file {path} for `# {{{{{family}.<section>}}}}` lines")
+    out = {}
+    for m in _SECTION.finditer(path.read_text()):
+        names = []
+        for node in ast.parse(m.group(2)).body:
+            if isinstance(node, ast.FunctionDef):
+                names.append(node.name)
+            elif isinstance(node, ast.Assign):
+                names += [t.id for t in node.targets if isinstance(t, ast.Name)]
+        out[m.group(1)] = (m.group(2), names)
+    return out
 
 
 def _module_literal(source: str, name: str) -> Any:

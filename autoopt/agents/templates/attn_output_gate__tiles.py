@@ -27,26 +27,13 @@ CONFIG_SPACE = {"ROWS": [1, 2, 4, 8], "BLOCK": [256, 512, 1024, 2048], "num_warp
 DEFAULT_CONFIG = {"ROWS": 4, "BLOCK": 1024, "num_warps": 4}
 
 
-@triton.jit
-def _bf16_to_f32(x):
-    return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+# {{common.bf16_to_f32}}: _bf16_to_f32
 
 
-@triton.jit
-def _f32_to_bf16(x):
-    # Round to nearest even on the bits: the interpreter's `.to(tl.bfloat16)` truncates.
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    rounded = tl.where(x != x, 0x7FC00000, rounded)
-    return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+# {{common.f32_to_bf16}}: _f32_to_bf16
 
 
-@triton.jit
-def _exp(x, ON_GPU: tl.constexpr):
-    if ON_GPU:
-        return libdevice.exp(x)  # __nv_expf, the expf torch's CUDA kernels call
-    else:
-        return tl.exp(x.to(tl.float64)).to(tl.float32)
+# {{common.exp}}: _exp
 
 
 @triton.jit

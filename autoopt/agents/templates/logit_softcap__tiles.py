@@ -23,9 +23,7 @@ CONFIG_SPACE = {"ROWS": [1, 2, 4, 8], "BLOCK": [512, 1024, 2048, 4096], "num_war
 DEFAULT_CONFIG = {"ROWS": 4, "BLOCK": 1024, "num_warps": 4}
 
 
-@triton.jit
-def _bf16_to_f32(x):
-    return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+# {{common.bf16_to_f32}}: _bf16_to_f32
 
 
 @triton.jit

@@ -28,72 +28,13 @@ CONFIG_SPACE = {"ROWS": [1, 2, 4, 8, 16], "num_warps": [1, 2, 4, 8]}
 DEFAULT_CONFIG = {"ROWS": 4, "num_warps": 4}
 
 
-@triton.jit
-def _bf16_to_f32(x):
-    return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+# {{common.bf16_to_f32}}: _bf16_to_f32
 
 
-@triton.jit
-def _f32_to_bf16(x):
-    # Round to nearest even on the bits: the interpreter's `.to(tl.bfloat16)` truncates.
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    rounded = tl.where(x != x, 0x7FC00000, rounded)
-    return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+# {{common.f32_to_bf16}}: _f32_to_bf16
 
 
-@triton.jit
-def _mul(a, b, ON_GPU: tl.constexpr):
-    if ON_GPU:
-        return libdevice.mul_rn(a, b)
-    else:
-        return a * b
-
-
-@triton.jit
-def _add(a, b, ON_GPU: tl.constexpr):
-    if ON_GPU:
-        return libdevice.add_rn(a, b)
-    else:
-        return a + b
-
-
-@triton.jit
-def _halve(v, ROWS: tl.constexpr, N: tl.constexpr):
-    # One tree level per row: v[:, t] + v[:, t + N/2] for t < N/2.
-    lo, hi = tl.split(tl.permute(tl.reshape(v, [ROWS, 2, N // 2]), [0, 2, 1]))
-    return lo + hi
-
-
-@triton.jit
-def _row_sum_sq(x, ROWS: tl.constexpr, TX: tl.constexpr, VEC: tl.constexpr,
-                ON_GPU: tl.constexpr):
-    # x [ROWS, TX*VEC]: lane t owns elements t*VEC .. t*VEC+VEC-1 (VEC=4: a float4 load).
-    sq = _mul(x, x, ON_GPU)
-    if VEC == 4:
-        even, odd = tl.split(tl.reshape(sq, [ROWS, TX, 2, 2]))
-        a0, a2 = tl.split(even)
-        a1, a3 = tl.split(odd)
-        v = ((a0 + a1) + a2) + a3
-    else:
-        v = tl.reshape(sq, [ROWS, TX])
-    if TX >= 256:
-        v = _halve(v, ROWS, 256)
-    if TX >= 128:
-        v = _halve(v, ROWS, 128)
-    if TX >= 64:
-        v = _halve(v, ROWS, 64)
-    if TX >= 32:
-        v = _halve(v, ROWS, 32)
-    if TX >= 16:
-        v = _halve(v, ROWS, 16)
-    if TX >= 8:
-        v = _halve(v, ROWS, 8)
-    if TX >= 4:
-        v = _halve(v, ROWS, 4)
-    if TX >= 2:
-        v = _halve(v, ROWS, 2)
-    return tl.reshape(v, [ROWS])
+# {{rows.cuda_sum}}: _mul, _add, _halve, _row_sum_sq
 
 
 @triton.jit
@@ -114,51 +55,7 @@ def _exp(x, ON_GPU: tl.constexpr):
         return tl.exp(x.to(tl.float64)).to(tl.float32)
 
 
-@triton.jit
-def _seq_sum(v, M: tl.constexpr, N: tl.constexpr):
-    # v [M, N] -> [M]: x0 + x1 + ... + x(N-1) left to right (N in 1, 2, 4, 8, 16, 32).
-    if N == 1:
-        return tl.reshape(v, [M])
-    elif N == 2:
-        a, b = tl.split(v)
-        return a + b
-    else:
-        # Peel the lowest index bit each time: element i = 2 * j + bit.
-        e, o = tl.split(tl.reshape(v, [M, N // 2, 2]))
-        if N == 4:
-            x0, x2 = tl.split(e)
-            x1, x3 = tl.split(o)
-            return ((x0 + x1) + x2) + x3
-        else:
-            # N >= 8: left-to-right over pairs (2j, 2j+1) of the halves, recursively unrolled.
-            total = tl.zeros([M], tl.float32)
-            for j in tl.static_range(N // 2):
-                pick = (tl.arange(0, N // 2) == j)[None, :]
-                total = total + tl.sum(tl.where(pick, e, 0.0), axis=1)
-                total = total + tl.sum(tl.where(pick, o, 0.0), axis=1)
-            return total
-
-
-@triton.jit
-def _cpu_row_sum_sq(x, ROWS: tl.constexpr, D: tl.constexpr, L: tl.constexpr):
-    # torch's CPU order (ATen's vectorized inner sum): L-lane vectors, vector k added into
-    # accumulator k % 4 left to right, then ((a0 + a1) + a2) + a3, then the L lanes left to
-    # right. The interpreter runs this so CPU results match torch's bits; the GPU never does.
-    J: tl.constexpr = D // (4 * L)
-    sq = tl.reshape(x * x, [ROWS, J, 4, L])  # element (k = 4 j + i) * L + lane
-    acc = _seq_sum(tl.reshape(tl.permute(sq, [0, 3, 2, 1]), [ROWS * L * 4, J]), ROWS * L * 4, J)
-    lanes = _seq_sum(tl.reshape(acc, [ROWS * L, 4]), ROWS * L, 4)
-    return _seq_sum(tl.reshape(lanes, [ROWS, L]), ROWS, L)
-
-
-@triton.jit
-def _inv_rms(total, inv_n, eps, ON_GPU: tl.constexpr):
-    # torch's mean: sum * f32(1/N) (== sum / N for the power-of-two D)
-    mean = _mul(total, inv_n, ON_GPU)
-    if ON_GPU:
-        return libdevice.rsqrt(libdevice.add_rn(mean, eps))
-    else:
-        return tl.rsqrt(mean + eps)
+# {{rows.cpu_sum_inv_rms}}: _seq_sum, _cpu_row_sum_sq, _inv_rms
 
 
 @triton.jit
@@ -208,17 +105,7 @@ def _qk_norm_ssmax_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, qo_ptr, ko_ptr,
                          ON_GPU)
 
 
-def cpu_lanes(d: int) -> int:
-    """Lanes of torch's CPU float vectors (AVX512: 16, else 8), 0 if a row is not a whole number
-    of 4-vector groups (then the interpreter uses the CUDA order, within the op's ulp policy)."""
-    lanes = 16 if "AVX512" in torch.backends.cpu.get_cpu_capability() else 8
-    return lanes if d % (4 * lanes) == 0 else 0
-
-
-def torch_head_layout(d: int) -> tuple[int, int]:
-    """(lanes, vector width) of torch's CUDA FP32 last-dim sum for a head row of d elements."""
-    vec = 4 if d >= 128 else 1
-    return max(1, min(d // vec, 512)), vec
+# {{rows.layout}}: cpu_lanes, torch_head_layout
 
 
 def _check(q, k, q_weight, k_weight, positions) -> None:

@@ -1,0 +1,48 @@
+"""Helpers shared by the template families (tiles, rows): BF16 conversions and exp.
+
+Text between a `# {{snippet NAME}}` line and the next `# {{end}}` is section NAME; a
+template line `# {{common.NAME}}` is replaced by it, byte for byte, when template.py renders a
+variant, so every rendered variant stays self-contained (its sha256 pins all the code it runs; it
+imports neither autoopt nor another variant). Lines outside the sections (this docstring, the
+imports, the comments above each section) are never rendered.
+Editing a section changes the bytes, hence the sha256, of every variant rendered from a template
+that uses it: the registry then holds it as new code, to be verified again.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+
+# Exact BF16 -> FP32 widening through the bit pattern.
+# {{snippet bf16_to_f32}}
+@triton.jit
+def _bf16_to_f32(x):
+    return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+# {{end}}
+
+
+# FP32 -> BF16 round to nearest even on the bits (NaN -> the canonical quiet NaN).
+# The rowsum family has its own, equal-valued form (_rowsum.py).
+# {{snippet f32_to_bf16}}
+@triton.jit
+def _f32_to_bf16(x):
+    # Round to nearest even on the bits: the interpreter's `.to(tl.bfloat16)` truncates.
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    rounded = tl.where(x != x, 0x7FC00000, rounded)
+    return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+# {{end}}
+
+
+# expf as torch computes it: libdevice's on the GPU, FP64 rounded in the interpreter.
+# {{snippet exp}}
+@triton.jit
+def _exp(x, ON_GPU: tl.constexpr):
+    if ON_GPU:
+        return libdevice.exp(x)  # __nv_expf, the expf torch's CUDA kernels call
+    else:
+        return tl.exp(x.to(tl.float64)).to(tl.float32)
+# {{end}}
