@@ -1,7 +1,9 @@
 """The `autoopt` command line: parses flags and hands them to the module that does the work.
 
 Each command imports its implementation lazily, so `autoopt --help` stays fast and a command's
-dependencies (uvicorn, optuna, triton) load only when it runs.
+dependencies (uvicorn, optuna, triton) load only when it runs. The serving commands live in
+`cli_serve.py` and the optimize/review commands in `cli_optimize.py`; each has a `register(app)`
+called here at the point that keeps `autoopt --help` in its order.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from . import __version__
+from . import __version__, cli_optimize, cli_serve
 
 app = typer.Typer(
     help="Agents write, verify and tune fused GPU kernels for Beam-1.0, and serve it.",
@@ -147,120 +149,8 @@ def ceilings(
     raise typer.Exit(ceilings_command(CeilingsArgs(device), console))
 
 
-# ---- serving (issue 3) -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class GenerateArgs:
-    model: Path | None
-    prompt: str | None
-    prompt_ids: str | None
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    device: str | None
-    dtype: str | None
-    kernels: str | None
-    max_model_len: int | None
-    cuda_graphs: bool | None
-    json: bool
-    tp: int | None = None  # issue 7
-    ep: int | None = None
-
-
-@app.command()
-def generate(
-    model: Path = typer.Option(None, "--model", help="Checkpoint directory (default: the demo)."),
-    prompt: str = typer.Option(None, "--prompt", help="Prompt text (tokenized, no template)."),
-    prompt_ids: str = typer.Option(None, "--prompt-ids", help="Prompt token ids: 1,2,3."),
-    max_tokens: int = typer.Option(16, "--max-tokens", help="Tokens to generate at most."),
-    temperature: float = typer.Option(0.0, help="0 = greedy."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus mass (1 = off)."),
-    top_k: int = typer.Option(0, "--top-k", help="Top-k (0 = off)."),
-    seed: int = typer.Option(None, help="Sampling seed (reproducible per request)."),
-    device: str = typer.Option(None, help="cpu, cuda or auto (default: the engine's, auto)."),
-    dtype: str = typer.Option(None, help="bfloat16 or float32 (default: the engine's)."),
-    kernels: str = typer.Option(None, help="reference, tuned or a lock file (default: tuned)."),
-    max_model_len: int = typer.Option(None, "--max-model-len", help="Context limit."),
-    cuda_graphs: bool = typer.Option(None, "--cuda-graphs/--no-cuda-graphs",
-                                     help="Capture decode in CUDA graphs (GPU; default on)."),
-    json_out: bool = typer.Option(False, "--json", help="Print {token_ids, text} last, as JSON."),
-    tp: int = typer.Option(None, "--tp", help="Tensor-parallel ranks: one process per GPU "
-                           "(NCCL), or N CPU processes (gloo)."),
-    ep: int = typer.Option(None, "--ep", help="Expert parallelism: 1 (default) or the --tp value."),
-) -> None:
-    """Generate from one prompt offline, through the serving engine."""
-    args = GenerateArgs(model, prompt, prompt_ids, max_tokens, temperature, top_p, top_k, seed,
-                        device, dtype, kernels, max_model_len, cuda_graphs, json_out, tp, ep)
-    import json
-    from dataclasses import asdict
-
-    from model.serve.offline import GenerateRequest, run_generate
-    from model.serve.sampler import RequestError
-
-    fields = {k: v for k, v in asdict(args).items() if k != "json"}
-    from model.parallel import TPError
-
-    try:
-        result, engine = run_generate(GenerateRequest(**fields))
-    except (RequestError, ValueError) as exc:
-        Console(stderr=True).print(f"[red]error:[/] {exc}")
-        raise typer.Exit(2) from None
-    except TPError as exc:  # a rank died or failed (issue 7)
-        Console(stderr=True).print("error: " + str(exc), markup=False, highlight=False,
-                                         soft_wrap=True)
-        raise typer.Exit(1) from None
-    if result is None:
-        return  # a torchrun rank other than 0: rank 0 prints
-    err = Console(stderr=True)
-    err.print(engine.startup_report)
-    err.print(f"{len(result.prompt_token_ids)} prompt tokens, {len(result.token_ids)} generated, "
-              f"finish_reason={result.finish_reason}")
-    if args.json:
-        print(json.dumps({"token_ids": result.token_ids, "text": result.text}))
-    else:
-        print(result.text if engine.tokenizer is not None else result.token_ids)
-
-
-# ---- serve (issue 3b) --------------------------------------------------------------------------
-@app.command()
-def serve(
-    model: Path = typer.Option(None, "--model", help="Checkpoint directory (default: the demo)."),
-    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
-    port: int = typer.Option(8000, help="Port to listen on."),
-    device: str = typer.Option(None, help="cpu, cuda or auto (default: the engine's, auto)."),
-    dtype: str = typer.Option(None, help="bfloat16 or float32 (default: the engine's)."),
-    kernels: str = typer.Option(None, help="reference, tuned or a lock file (default: tuned)."),
-    max_num_seqs: int = typer.Option(None, "--max-num-seqs", help="Running requests at most."),
-    max_model_len: int = typer.Option(None, "--max-model-len", help="Context limit in tokens."),
-    max_num_batched_tokens: int = typer.Option(None, "--max-num-batched-tokens",
-                                               help="Tokens per step (chunked prefill)."),
-    gpu_memory_utilization: float = typer.Option(None, "--gpu-memory-utilization",
-                                                 help="Fraction of GPU memory to use."),
-    api_key: str = typer.Option(None, "--api-key", help="Require this bearer / x-api-key."),
-    served_model_name: str = typer.Option(None, "--served-model-name",
-                                          help="Model name in the API (default: the dir name)."),
-    tp: int = typer.Option(None, "--tp", help="Tensor-parallel ranks: one process per GPU "
-                           "(NCCL), or N CPU processes (gloo)."),
-    ep: int = typer.Option(None, "--ep", help="Expert parallelism: 1 (default) or the --tp value."),
-) -> None:
-    """Serve a checkpoint over the OpenAI and Anthropic HTTP APIs (no --model: the demo)."""
-    from model.parallel import TPError
-    from model.serve.api import ServeOptions, run_server
-
-    opts = ServeOptions(model, host, port, device, dtype, kernels, max_num_seqs, max_model_len,
-                        max_num_batched_tokens, gpu_memory_utilization, api_key, served_model_name,
-                        tp, ep)
-    try:
-        run_server(opts, say=lambda line: console.print(line, highlight=False, markup=False,
-                                                        soft_wrap=True))
-    except (ValueError, FileNotFoundError) as exc:
-        Console(stderr=True).print(f"[red]error:[/] {exc}")
-        raise typer.Exit(2) from None
-    except TPError as exc:  # a rank died or failed: the group is down (issue 7)
-        Console(stderr=True).print("error: " + str(exc), markup=False, highlight=False,
-                                         soft_wrap=True)
-        raise typer.Exit(1) from None
+# ---- serving (issues 3, 3b): generate, serve live in cli_serve.py --------------------------
+cli_serve.register(app)
 
 
 # ---- registry & eval (issue 4) -------------------------------------------------------------------
@@ -389,165 +279,8 @@ def registry_set_status(
     _registry("set-status", root=registry, op=op, variant=variant, status=status, reason=reason)
 
 
-# ---- optimize & review (issue 6) ----------------------------------------------------------------
-def _fail(exc: BaseException, code: int = 2) -> typer.Exit:
-    Console(stderr=True).print(f"[red]error:[/] {exc}")
-    return typer.Exit(code)
-
-
-@app.command()
-def optimize(
-    target: str = typer.Option(None, "--target", help="Target (default: this GPU's decode "
-                               "target, or cpu-tiny without a GPU)."),
-    agent: str = typer.Option(None, "--agent", help="template or claude (default: claude when "
-                              "ANTHROPIC_API_KEY is set, else template)."),
-    ops: str = typer.Option(None, "--ops", help="Only these ops, comma-separated."),
-    budget: str = typer.Option("30m", help="Wall-time budget for the agent sessions (30m, 90s)."),
-    max_candidates: int = typer.Option(4, help="Proposals evaluated per op at most."),
-    proxy: bool = typer.Option(False, "--proxy", help="Tune on this GPU at the target's shapes."),
-    layers: int = typer.Option(None, help="Layers of the profiled step (default: target's)."),
-    batch: int = typer.Option(None, help="Batch size of the profiled step (default: first)."),
-    auto_accept: bool = typer.Option(False, "--auto-accept",
-                                     help="Accept and lock GPU winners (never on the CPU)."),
-    registry: Path = typer.Option(None, "--registry", help="Registry DIR (default: kernels/)."),
-    runs_dir: Path = typer.Option(None, "--runs-dir", help="Where run dirs go (default: runs/)."),
-    resume: Path = typer.Option(None, "--resume", help="Continue an interrupted RUN_DIR."),
-    replay: Path = typer.Option(None, "--replay", help="Re-evaluate RUN_DIR's proposals (no "
-                                "model calls, registry untouched); exit 1 if a verdict differs."),
-    device: str = typer.Option(None, "--device", help="One worker on this device (cuda:1); "
-                               "default: one worker per visible GPU."),
-    trials: int = typer.Option(8, help="Optuna trials per token bucket (template agent)."),
-    compile_: bool = typer.Option(False, "--compile/--no-compile",
-                                  help="Also time torch.compile of the reference (slow)."),
-    verify_seeds: int = typer.Option(3, help="Seeds per verification shape."),
-    verify_tokens: str = typer.Option(None, help="Token counts of verify shapes (default: the "
-                                      "harness's)."),
-    bench_iters: int = typer.Option(50, help="Timed samples per benchmark."),
-    e2e: bool = typer.Option(True, "--e2e/--no-e2e", help="End-to-end check of the new set."),
-    profile_backend: str = typer.Option("auto", help="Profiler: auto, ncu or torch."),
-    model: str = typer.Option(None, help="Claude model (default claude-sonnet-5-5)."),
-    max_turns: int = typer.Option(None, help="Claude API calls per op at most."),
-    max_tokens: int = typer.Option(None, help="Claude tokens per reply at most."),
-    budget_usd: float = typer.Option(None, help="Claude cost budget for the run (USD)."),
-) -> None:
-    """Profile a target, let an agent write verified kernels for its slowest ops, report."""
-    from .agents.claude import MissingKeyError
-    from .loop import OptimizeArgs, default_target, parse_budget
-    from .loop import optimize as run_optimize
-    from .replay import replay as run_replay
-    from .targets import TargetError
-
-    if replay is not None:
-        try:
-            out, same = run_replay(replay, console, registry=str(registry) if registry else None,
-                                   runs_dir=str(runs_dir) if runs_dir else None)
-        except (TargetError, ValueError, FileNotFoundError, RuntimeError) as exc:
-            raise _fail(exc) from None
-        verdicts = "all verdicts reproduced" if same else "verdicts DIFFER"
-        console.print(f"replay: {out} ({verdicts})")
-        raise typer.Exit(0 if same else 1)
-    try:
-        if resume is not None:
-            run_optimize(OptimizeArgs(), console, resume=resume)
-            return
-        name = target or default_target()
-        if target is None:
-            console.print(f"no --target given: using [bold]{name}[/]"
-                          + (" (no GPU here: correctness only, timings not meaningful)"
-                             if name == "cpu-tiny" else " (this GPU's target)"))
-        args = OptimizeArgs(
-            target=name, agent=agent, ops=tuple(o for o in (ops or "").split(",") if o),
-            budget_s=parse_budget(budget), max_candidates=max_candidates, proxy=proxy,
-            layers=layers, batch=batch, auto_accept=auto_accept,
-            registry=str(registry) if registry else None,
-            runs_dir=str(runs_dir) if runs_dir else None, trials=trials, compile=compile_,
-            verify_seeds=verify_seeds,
-            verify_tokens=tuple(int(t) for t in (verify_tokens or "").split(",") if t),
-            bench_iters=bench_iters, e2e=e2e, profile_backend=profile_backend, device=device,
-            model=model, max_turns=max_turns,
-            max_tokens=max_tokens, budget_usd=budget_usd)
-        run_optimize(args, console)
-    except (TargetError, MissingKeyError, ValueError, FileNotFoundError, RuntimeError) as exc:
-        raise _fail(exc) from None
-
-
-review_app = typer.Typer(help="Read agent-produced variants with their evidence; accept or "
-                         "reject them.", no_args_is_help=True)
-app.add_typer(review_app, name="review")
-_REVIEW_REGISTRY = typer.Option(None, "--registry", help="Registry DIR (default: kernels/).")
-
-
-def _review_registry(registry: Path | None):
-    from model.registry import Registry
-
-    from . import env
-
-    return Registry(registry or env.registry_dir())
-
-
-@review_app.command("list")
-def review_list(
-    registry: Path = _REVIEW_REGISTRY,
-    status: str = typer.Option("candidate", help="candidate (pending), accepted or rejected."),
-) -> None:
-    """Pending candidates: op, variant, agent, speedup, verdict."""
-    from .review import print_list
-
-    print_list(_review_registry(registry), console, status)
-
-
-@review_app.command("show")
-def review_show(
-    op: str = typer.Argument(..., help="Op name."),
-    variant: str = typer.Argument(..., help="Variant name."),
-    registry: Path = _REVIEW_REGISTRY,
-    arch: str = typer.Option(None, help="Diff against the variant locked for this arch."),
-) -> None:
-    """Source, diff against the selection (or reference), verification, timings, profile."""
-    from model.registry import RegistryError
-
-    from .review import print_show
-
-    try:
-        print_show(_review_registry(registry), console, op, variant, arch)
-    except RegistryError as exc:
-        raise _fail(exc) from None
-
-
-@review_app.command("accept")
-def review_accept(
-    op: str = typer.Argument(..., help="Op name."),
-    variant: str = typer.Argument(..., help="Variant name."),
-    arch: str = typer.Option(None, help="Lock section, e.g. sm_90 (default: the record's)."),
-    registry: Path = _REVIEW_REGISTRY,
-) -> None:
-    """Accept a variant: status accepted and selected in the lock for the arch."""
-    from model.registry import RegistryError
-
-    from .review import accept
-
-    try:
-        console.print(accept(_review_registry(registry), op, variant, arch))
-    except RegistryError as exc:
-        raise _fail(exc) from None
-
-
-@review_app.command("reject")
-def review_reject(
-    op: str = typer.Argument(..., help="Op name."),
-    variant: str = typer.Argument(..., help="Variant name."),
-    why: str = typer.Option(..., "--why", help="What is wrong with it (kept in the record)."),
-    registry: Path = _REVIEW_REGISTRY,
-) -> None:
-    """Reject a variant with a reason (recorded; removed from the lock if locked)."""
-    from model.registry import RegistryError
-
-    from .review import reject
-
-    try:
-        console.print(reject(_review_registry(registry), op, variant, why))
-    except RegistryError as exc:
-        raise _fail(exc) from None
+# ---- optimize & review (issue 6): optimize, the review sub-app live in cli_optimize.py ------
+cli_optimize.register(app)
 
 
 if __name__ == "__main__":  # `python -m autoopt.cli`, e.g. under torchrun (issue 7)

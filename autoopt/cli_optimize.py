@@ -1,0 +1,178 @@
+"""`autoopt optimize` and the `autoopt review` sub-app: the agent loop's flags (issue 6).
+
+Registered on the app by `autoopt/cli.py` through `register`, which keeps the `--help` order.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+console = Console()
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `optimize` command and the `review` sub-app to `app`, in that order."""
+    app.command()(optimize)
+    app.add_typer(review_app, name="review")
+
+
+# ---- optimize & review (issue 6) ----------------------------------------------------------------
+def _fail(exc: BaseException, code: int = 2) -> typer.Exit:
+    Console(stderr=True).print(f"[red]error:[/] {exc}")
+    return typer.Exit(code)
+
+
+def optimize(
+    target: str = typer.Option(None, "--target", help="Target (default: this GPU's decode "
+                               "target, or cpu-tiny without a GPU)."),
+    agent: str = typer.Option(None, "--agent", help="template or claude (default: claude when "
+                              "ANTHROPIC_API_KEY is set, else template)."),
+    ops: str = typer.Option(None, "--ops", help="Only these ops, comma-separated."),
+    budget: str = typer.Option("30m", help="Wall-time budget for the agent sessions (30m, 90s)."),
+    max_candidates: int = typer.Option(4, help="Proposals evaluated per op at most."),
+    proxy: bool = typer.Option(False, "--proxy", help="Tune on this GPU at the target's shapes."),
+    layers: int = typer.Option(None, help="Layers of the profiled step (default: target's)."),
+    batch: int = typer.Option(None, help="Batch size of the profiled step (default: first)."),
+    auto_accept: bool = typer.Option(False, "--auto-accept",
+                                     help="Accept and lock GPU winners (never on the CPU)."),
+    registry: Path = typer.Option(None, "--registry", help="Registry DIR (default: kernels/)."),
+    runs_dir: Path = typer.Option(None, "--runs-dir", help="Where run dirs go (default: runs/)."),
+    resume: Path = typer.Option(None, "--resume", help="Continue an interrupted RUN_DIR."),
+    replay: Path = typer.Option(None, "--replay", help="Re-evaluate RUN_DIR's proposals (no "
+                                "model calls, registry untouched); exit 1 if a verdict differs."),
+    device: str = typer.Option(None, "--device", help="One worker on this device (cuda:1); "
+                               "default: one worker per visible GPU."),
+    trials: int = typer.Option(8, help="Optuna trials per token bucket (template agent)."),
+    compile_: bool = typer.Option(False, "--compile/--no-compile",
+                                  help="Also time torch.compile of the reference (slow)."),
+    verify_seeds: int = typer.Option(3, help="Seeds per verification shape."),
+    verify_tokens: str = typer.Option(None, help="Token counts of verify shapes (default: the "
+                                      "harness's)."),
+    bench_iters: int = typer.Option(50, help="Timed samples per benchmark."),
+    e2e: bool = typer.Option(True, "--e2e/--no-e2e", help="End-to-end check of the new set."),
+    profile_backend: str = typer.Option("auto", help="Profiler: auto, ncu or torch."),
+    model: str = typer.Option(None, help="Claude model (default claude-sonnet-5-5)."),
+    max_turns: int = typer.Option(None, help="Claude API calls per op at most."),
+    max_tokens: int = typer.Option(None, help="Claude tokens per reply at most."),
+    budget_usd: float = typer.Option(None, help="Claude cost budget for the run (USD)."),
+) -> None:
+    """Profile a target, let an agent write verified kernels for its slowest ops, report."""
+    from .agents.claude import MissingKeyError
+    from .loop import OptimizeArgs, default_target, parse_budget
+    from .loop import optimize as run_optimize
+    from .replay import replay as run_replay
+    from .targets import TargetError
+
+    if replay is not None:
+        try:
+            out, same = run_replay(replay, console, registry=str(registry) if registry else None,
+                                   runs_dir=str(runs_dir) if runs_dir else None)
+        except (TargetError, ValueError, FileNotFoundError, RuntimeError) as exc:
+            raise _fail(exc) from None
+        verdicts = "all verdicts reproduced" if same else "verdicts DIFFER"
+        console.print(f"replay: {out} ({verdicts})")
+        raise typer.Exit(0 if same else 1)
+    try:
+        if resume is not None:
+            run_optimize(OptimizeArgs(), console, resume=resume)
+            return
+        name = target or default_target()
+        if target is None:
+            console.print(f"no --target given: using [bold]{name}[/]"
+                          + (" (no GPU here: correctness only, timings not meaningful)"
+                             if name == "cpu-tiny" else " (this GPU's target)"))
+        args = OptimizeArgs(
+            target=name, agent=agent, ops=tuple(o for o in (ops or "").split(",") if o),
+            budget_s=parse_budget(budget), max_candidates=max_candidates, proxy=proxy,
+            layers=layers, batch=batch, auto_accept=auto_accept,
+            registry=str(registry) if registry else None,
+            runs_dir=str(runs_dir) if runs_dir else None, trials=trials, compile=compile_,
+            verify_seeds=verify_seeds,
+            verify_tokens=tuple(int(t) for t in (verify_tokens or "").split(",") if t),
+            bench_iters=bench_iters, e2e=e2e, profile_backend=profile_backend, device=device,
+            model=model, max_turns=max_turns,
+            max_tokens=max_tokens, budget_usd=budget_usd)
+        run_optimize(args, console)
+    except (TargetError, MissingKeyError, ValueError, FileNotFoundError, RuntimeError) as exc:
+        raise _fail(exc) from None
+
+
+review_app = typer.Typer(help="Read agent-produced variants with their evidence; accept or "
+                         "reject them.", no_args_is_help=True)
+_REVIEW_REGISTRY = typer.Option(None, "--registry", help="Registry DIR (default: kernels/).")
+
+
+def _review_registry(registry: Path | None):
+    from model.registry import Registry
+
+    from . import env
+
+    return Registry(registry or env.registry_dir())
+
+
+@review_app.command("list")
+def review_list(
+    registry: Path = _REVIEW_REGISTRY,
+    status: str = typer.Option("candidate", help="candidate (pending), accepted or rejected."),
+) -> None:
+    """Pending candidates: op, variant, agent, speedup, verdict."""
+    from .review import print_list
+
+    print_list(_review_registry(registry), console, status)
+
+
+@review_app.command("show")
+def review_show(
+    op: str = typer.Argument(..., help="Op name."),
+    variant: str = typer.Argument(..., help="Variant name."),
+    registry: Path = _REVIEW_REGISTRY,
+    arch: str = typer.Option(None, help="Diff against the variant locked for this arch."),
+) -> None:
+    """Source, diff against the selection (or reference), verification, timings, profile."""
+    from model.registry import RegistryError
+
+    from .review import print_show
+
+    try:
+        print_show(_review_registry(registry), console, op, variant, arch)
+    except RegistryError as exc:
+        raise _fail(exc) from None
+
+
+@review_app.command("accept")
+def review_accept(
+    op: str = typer.Argument(..., help="Op name."),
+    variant: str = typer.Argument(..., help="Variant name."),
+    arch: str = typer.Option(None, help="Lock section, e.g. sm_90 (default: the record's)."),
+    registry: Path = _REVIEW_REGISTRY,
+) -> None:
+    """Accept a variant: status accepted and selected in the lock for the arch."""
+    from model.registry import RegistryError
+
+    from .review import accept
+
+    try:
+        console.print(accept(_review_registry(registry), op, variant, arch))
+    except RegistryError as exc:
+        raise _fail(exc) from None
+
+
+@review_app.command("reject")
+def review_reject(
+    op: str = typer.Argument(..., help="Op name."),
+    variant: str = typer.Argument(..., help="Variant name."),
+    why: str = typer.Option(..., "--why", help="What is wrong with it (kept in the record)."),
+    registry: Path = _REVIEW_REGISTRY,
+) -> None:
+    """Reject a variant with a reason (recorded; removed from the lock if locked)."""
+    from model.registry import RegistryError
+
+    from .review import reject
+
+    try:
+        console.print(reject(_review_registry(registry), op, variant, why))
+    except RegistryError as exc:
+        raise _fail(exc) from None
