@@ -1,7 +1,8 @@
 """The optimize loop: profile -> rank ops by gap -> agent sessions -> registry -> e2e -> report.
 
 `optimize(args)` resolves the target (a GPU target needs its GPU, or --proxy), builds the agent
-first (a missing API key fails before any work), profiles one step, ranks the ops by time above
+first (a missing API key fails before any work), profiles one step with the tuned set (and once
+with the reference set, `profile_reference.json`, for the report), ranks the ops by time above
 their floor, and runs one budgeted agent session per op: one evaluation worker per visible GPU
 (threads; each worker's candidates are verified and timed in sandboxed child processes on its
 own GPU), one worker on the CPU. Every attempt is checkpointed (runstate.py); winners are
@@ -195,6 +196,8 @@ def optimize(args: OptimizeArgs, console: Console | None = None,
     try:
         if state.data["profile"] is None:
             _profile(args, target, state, console)
+        if state.data.get("profile_reference") is None:
+            _profile_reference(args, target, state, console)
         if not state.data["ops"]:
             _rank(args, agent, state, console)
         _sessions(args, agent, ctx, state, console)
@@ -217,25 +220,35 @@ def optimize(args: OptimizeArgs, console: Console | None = None,
 
 
 def _profile(args: OptimizeArgs, target: Any, state: RunState, console: Console) -> None:
-    from model.registry import DEFAULT_ROOT
-
     from .profiler import profile_step
 
     state.set_phase("profiling")
-    default_reg = Path(args.registry or env.registry_dir()).resolve() == DEFAULT_ROOT.resolve()
-    # A lock path resolves variants from the default registry only, so another registry's
-    # current selection cannot be profiled: then the reference is.
-    kernels = "tuned" if default_reg else "reference"
-    with console.status(f"profiling one {target.phase} step of {target.name} ({kernels})"):
-        prof = profile_step(target, batch=args.batch, layers=args.layers, kernels=kernels,
-                            proxy=args.proxy, backend=args.profile_backend)
+    registry = args.registry or env.registry_dir()
+    with console.status(f"profiling one {target.phase} step of {target.name} (tuned)"):
+        prof = profile_step(target, batch=args.batch, layers=args.layers, kernels="tuned",
+                            proxy=args.proxy, backend=args.profile_backend, registry=registry)
     from .profiler.report import write_outputs
 
     write_outputs(prof, state.run_dir, "profile_before")  # autoopt profile --compare reads it
     data = prof.to_dict()
-    state.update(profile={"kernels": kernels, "rows": data["rows"], "step_us": prof.step_us,
+    state.update(profile={"kernels": "tuned", "rows": data["rows"], "step_us": prof.step_us,
                           "gpu": prof.gpu, "batch": prof.batch, "layers": prof.layers,
                           "backend": prof.backend, "meaningful": prof.rates.meaningful})
+
+
+def _profile_reference(args: OptimizeArgs, target: Any, state: RunState,
+                       console: Console) -> None:
+    """The reference set's profile (once per run, the before profile's batch, layers and
+    backend): the report compares it with the tuned set after the run."""
+    from .profiler import profile_step
+    from .profiler.report import write_outputs
+
+    state.set_phase("profiling reference")
+    with console.status(f"profiling one {target.phase} step of {target.name} (reference)"):
+        prof = profile_step(target, batch=args.batch, layers=args.layers, kernels="reference",
+                            proxy=args.proxy, backend=args.profile_backend)
+    json_path, _ = write_outputs(prof, state.run_dir, "profile_reference")
+    state.update(profile_reference=json_path.name)
 
 
 def _rank(args: OptimizeArgs, agent: Any, state: RunState, console: Console) -> None:

@@ -7,6 +7,9 @@ step times (median; CUDA graphs where the runtime would use them; CPU times not 
 Parity passes when every sequence's top-1 token agrees and max |diff| <= E2E_MAX_ABS: kernels
 within their op policies (bitwise or 1 BF16 ulp at a few elements) move softcapped logits far
 less than that, a wrong kernel moves them far more.
+
+The report also shows `autoopt profile --compare profile_reference.json profile_after.json`:
+the reference set against the tuned set after the run, per op and for the whole step.
 """
 
 from __future__ import annotations
@@ -76,15 +79,10 @@ def end_to_end(ctx: Any, state: Any, batch: int | None, layers: int | None,
     out["parity"] = bool(top1 and out["max_abs_diff"] <= E2E_MAX_ABS and not refused
                          and torch.isfinite(new).all().item())
     out["speedup"] = out["reference_step_us"] / max(out["new_step_us"], 1e-9)
-    if ctx.meaningful and _default_registry(ctx):
-        out["profile_after"] = _profile_after(ctx, state, batch, layers, lock)
+    # Profiled on the CPU too: the report's reference-vs-tuned table needs it (CPU times only
+    # inform there, and the report says so).
+    out["profile_after"] = _profile_after(ctx, state, batch, layers, lock)
     return out
-
-
-def _default_registry(ctx: Any) -> bool:
-    from model.registry import DEFAULT_ROOT
-
-    return Path(ctx.registry.root).resolve() == DEFAULT_ROOT.resolve()
 
 
 def _profile_after(ctx: Any, state: Any, batch: int, layers: int | None, lock: Path) -> str:
@@ -93,7 +91,8 @@ def _profile_after(ctx: Any, state: Any, batch: int, layers: int | None, lock: P
 
     backend = (state.data.get("args") or {}).get("profile_backend", "auto")
     prof = profile_step(ctx.target, batch=batch, layers=layers, kernels=str(lock),
-                        proxy=bool(ctx.proxy_note), backend=backend)
+                        proxy=bool(ctx.proxy_note), backend=backend,
+                        registry=ctx.registry.root)
     json_path, _ = write_outputs(prof, ctx.run_dir, "profile_after")
     return str(json_path)
 
@@ -223,6 +222,10 @@ def write_report(state: Any, ctx: Any) -> Path:
                      f"{_fmt(r['speedup'], '.3g')} | {r['outcome']} | {reason} |")
     lines += ["", "## End-to-end check", ""] + _e2e_lines(d.get("e2e"), cpu)
     lines += _compare_lines(out / "profile_before.json", (d.get("e2e") or {}).get("profile_after"))
+    ref_lines, ref_plot = reference_section(state)
+    lines += ref_lines
+    if ref_plot is not None:
+        plots["reference_vs_tuned"] = ref_plot
     lines += ["", "## Plots", ""] + [f"![{k}](plots/{p.name})" for k, p in plots.items()]
     reg = ctx.registry.root
     lines += ["", "## Review", "", f"`autoopt review list --registry {reg}` lists what waits for "
@@ -279,3 +282,57 @@ def _compare_lines(before: Path, after: str | None) -> list[str]:
         out.append(f"\nCUDA-graph step: {a['graph_step_us']:.1f} µs -> {b['graph_step_us']:.1f} µs"
                    f" ({a['graph_step_us'] / b['graph_step_us']:.2f}x).")
     return out
+
+
+def _tuned_after(state: Any) -> Path | None:
+    """The tuned set's profile after the run: this run's set where one was profiled, else the
+    before profile (nothing registered: the tuned set did not change)."""
+    after = (state.data.get("e2e") or {}).get("profile_after")
+    if after and Path(after).is_file():
+        return Path(after)
+    before = state.run_dir / "profile_before.json"
+    winners = state.winners()
+    if not winners and (state.data.get("profile") or {}).get("kernels") == "tuned":
+        return before if before.is_file() else None
+    return None
+
+
+def reference_section(state: Any) -> tuple[list[str], Path | None]:
+    """`autoopt profile --compare profile_reference.json <tuned after>` as markdown + a plot."""
+    from .profiler.attribution import Profile
+    from .profiler.report import (
+        compare_markdown,
+        compare_warnings,
+        step_speedup,
+        write_compare_chart,
+    )
+
+    ref_name = state.data.get("profile_reference")
+    ref = state.run_dir / ref_name if ref_name else None
+    tuned = _tuned_after(state)
+    head = ("## Reference vs tuned (autoopt profile --compare profile_reference.json "
+            f"{tuned.name if tuned else 'profile_after.json'})")
+    if ref is None or not ref.is_file() or tuned is None:
+        why = ("no reference profile" if ref is None or not ref.is_file() else
+               "the tuned set after the run was not profiled (end-to-end check not run)")
+        return ["", head, "", f"not available: {why}"], None
+    a, b = Profile.load(ref), Profile.load(tuned)
+    names = ("reference", "tuned")
+    speed = step_speedup(a, b)
+    lines = ["", head, "", f"{b.gpu}, batch {b.batch}, {b.layers} layers, backend {b.backend}; "
+             f"tuned = {_tuned_label(tuned)}.", ""] + compare_markdown(a, b, names)
+    lines += ["", f"Whole step: reference {a.step_us:.1f} µs, tuned {b.step_us:.1f} µs "
+              f"({'-' if speed is None else f'{speed:.2f}'}x)"
+              + ("" if b.rates.meaningful else " — CPU: not meaningful") + "."]
+    if a.graph_step_us and b.graph_step_us:
+        lines.append(f"CUDA-graph step: reference {a.graph_step_us:.1f} µs, tuned "
+                     f"{b.graph_step_us:.1f} µs ({a.graph_step_us / b.graph_step_us:.2f}x).")
+    lines += [f"warning: {w}" for w in compare_warnings(a, b)]
+    plot = write_compare_chart(a, b, state.run_dir / "plots" / "reference_vs_tuned.png", names)
+    return lines, plot
+
+
+def _tuned_label(path: Path) -> str:
+    if path.name == "profile_before.json":
+        return "the lock profiled before the run (nothing was registered)"
+    return "the lock plus this run's winners (e2e.lock.toml)"

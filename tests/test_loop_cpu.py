@@ -104,3 +104,48 @@ def test_replay_reproduces_the_verdicts_without_touching_the_registry(run):
     assert data["all_reproduced"] and len(data["rows"]) == len(OPS)
     assert all(r["recorded"] == r["replayed"] == "pass" for r in data["rows"])
     assert {p: p.read_bytes() for p in registry_files(run["registry"])} == before
+
+
+def _md_table(report: str, heading: str) -> dict[str, list[str]]:
+    """The first markdown table under `heading`: op -> its cells."""
+    section = report.split(heading, 1)[1].split("\n## ", 1)[0]
+    rows = [ln for ln in section.splitlines() if ln.startswith("| ") and not ln.startswith("| op")]
+    return {cells[0].strip("* "): cells[1:]
+            for cells in ([c.strip() for c in ln.strip("|").split("|")] for ln in rows)}
+
+
+def test_report_compares_the_reference_set_with_the_tuned_set(run):
+    """Issue 6: `autoopt profile --compare profile_reference.json profile_after.json` is in the
+    report, its numbers are the two JSON profiles', and the plot is drawn."""
+    d = run["dir"]
+    st = json.loads((d / "state.json").read_text())
+    assert st["profile_reference"] == "profile_reference.json"
+    ref = json.loads((d / "profile_reference.json").read_text())
+    after = json.loads((d / "profile_after.json").read_text())
+    assert ref["kernels"] == "reference" and after["kernels"].endswith("e2e.lock.toml")
+    assert (ref["batch"], ref["layers"], ref["backend"]) == (
+        after["batch"], after["layers"], after["backend"])
+    assert set(OPS) <= {op for op, s in after["sources"].items() if s != "reference"}
+    assert (d / "plots" / "reference_vs_tuned.png").stat().st_size > 1000
+    report = (d / "report.md").read_text()
+    heading = ("## Reference vs tuned (autoopt profile --compare profile_reference.json "
+               "profile_after.json)")
+    assert heading in report and "(plots/reference_vs_tuned.png)" in report
+    assert "## Profile: before" in report  # the before/after section stays
+    table = _md_table(report, heading)
+    rows_a = {r["op"]: r for r in ref["rows"]}
+    rows_b = {r["op"]: r for r in after["rows"]}
+    assert set(table) == set(rows_a) | set(rows_b) | {"step"}
+    for op, cells in table.items():
+        if op == "step":
+            ta, tb = ref["step_us"], after["step_us"]
+        else:
+            ta = rows_a[op]["time_us"] if op in rows_a else None
+            tb = rows_b[op]["time_us"] if op in rows_b else None
+        # The report rounds times to 0.1 µs and the speedup to 0.01: compare the same rounding.
+        assert cells[0] == ("-" if ta is None else f"{ta:.1f}"), op
+        assert cells[1] == ("-" if tb is None else f"{tb:.1f}"), op
+        assert cells[2] == (f"{ta / tb:.2f}x" if ta and tb else "-"), op
+    speed = ref["step_us"] / after["step_us"]
+    assert (f"Whole step: reference {ref['step_us']:.1f} µs, tuned {after['step_us']:.1f} µs "
+            f"({speed:.2f}x)") in report

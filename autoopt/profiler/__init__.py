@@ -112,8 +112,10 @@ def profile_step(target: Target | str | Path, batch: int | None = None, layers: 
                  kernels: str = DEFAULT_KERNELS, proxy: bool = False,
                  backend: str = DEFAULT_BACKEND,
                  context: int | None = None, seed: int = 0, ncu_timeout_s: float = 600.0,
-                 repeats: int | None = None) -> Profile:
-    """Profile one step of `target` at `batch` and return the attributed table."""
+                 repeats: int | None = None, registry: str | Path | None = None) -> Profile:
+    """Profile one step of `target` at `batch` and return the attributed table; `tuned` and lock
+    files take their variants from `registry` (default: the repo's kernels/)."""
+    reg = str(registry) if registry is not None else None
     t = target if isinstance(target, Target) else load_target(target)
     batch = batch or t.batch_sizes[0]
     ctx = context or t.contexts[0]
@@ -131,12 +133,12 @@ def profile_step(target: Target | str | Path, batch: int | None = None, layers: 
 
         try:
             ncu_run = run_ncu(str(t.source or t.name), batch, n, ctx, kernels, seed,
-                              timeout_s=ncu_timeout_s)
+                              timeout_s=ncu_timeout_s, registry=reg)
             ncu_note = f"ncu {ncu_run.version} ({ncu_run.wall_s:.0f} s, read via {ncu_run.reader})"
         except NcuError as e:
             ncu_note = f"ncu failed, fell back to torch.profiler: {e}"
             notes.append(ncu_note)
-    work = build_workload(t, batch, n, ctx, kernels, device, seed)
+    work = build_workload(t, batch, n, ctx, kernels, device, seed, registry=reg)
     try:
         notes += work.notes
         # CPU step times only inform (the CPU rows come from the profiled run): one repeat.

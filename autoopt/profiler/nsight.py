@@ -179,14 +179,15 @@ def read_with_csv(report: Path, ncu: str) -> list[KernelRecord]:
 
 # ---- running ---------------------------------------------------------------------------------
 def workload_command(target: str, batch: int, layers: int, context: int, kernels: str,
-                     seed: int) -> list[str]:
+                     seed: int, registry: str | None = None) -> list[str]:
     return [sys.executable, "-m", "autoopt.profiler.workload", "--target", target, "--batch",
             str(batch), "--layers", str(layers), "--context", str(context), "--kernels", kernels,
-            "--seed", str(seed)]
+            "--seed", str(seed)] + (["--registry", str(registry)] if registry else [])
 
 
 def run_ncu(target: str, batch: int, layers: int, context: int, kernels: str = "reference",
-            seed: int = 0, out_dir: Path | None = None, timeout_s: float = 600.0) -> NcuRun:
+            seed: int = 0, out_dir: Path | None = None, timeout_s: float = 600.0,
+            registry: str | None = None) -> NcuRun:
     """Profile one step of the target under ncu in a child process; raise NcuError on failure."""
     ncu = find_ncu()
     if ncu is None:
@@ -197,7 +198,8 @@ def run_ncu(target: str, batch: int, layers: int, context: int, kernels: str = "
     base = out_dir / f"{Path(target).stem}-b{batch}-l{layers}"
     cmd = [ncu, "--nvtx", "--nvtx-include", f"{STEP_RANGE}/", "--clock-control", "none",
            "--cache-control", "none", "--metrics", ",".join(METRICS), "--target-processes", "all",
-           "-f", "-o", str(base)] + workload_command(target, batch, layers, context, kernels, seed)
+           "-f", "-o", str(base)] + workload_command(target, batch, layers, context, kernels, seed,
+                                                         registry)
     child_env = dict(os.environ)
     child_env["PYTHONPATH"] = os.pathsep.join(
         [str(env.REPO_ROOT)] + ([child_env["PYTHONPATH"]] if child_env.get("PYTHONPATH") else []))

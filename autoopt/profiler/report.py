@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -121,25 +122,110 @@ def write_outputs(p: Profile, out_dir: str | Path, stem: str = "profile") -> tup
     return p.save(out / f"{stem}.json"), write_chart(p, out / f"{stem}.png")
 
 
+@dataclass(frozen=True)
+class CompareRow:
+    """One op of `autoopt profile --compare A B`: A's and B's time (µs) and share, speedup A/B."""
+
+    op: str
+    a_us: float | None
+    b_us: float | None
+    a_share: float | None
+    b_share: float | None
+    floor_us: float | None
+
+    @property
+    def speedup(self) -> float | None:
+        return self.a_us / self.b_us if self.a_us and self.b_us else None
+
+
+def compare_rows(a: Profile, b: Profile) -> list[CompareRow]:
+    """A's ops in A's order, then B's ops that A lacks (the rows of every compare view)."""
+    order = [r.op for r in a.rows] + [r.op for r in b.rows if r.op not in {x.op for x in a.rows}]
+    rows_a, rows_b = {r.op: r for r in a.rows}, {r.op: r for r in b.rows}
+    out = []
+    for op in order:
+        ra, rb = rows_a.get(op), rows_b.get(op)
+        out.append(CompareRow(op, ra.time_us if ra else None, rb.time_us if rb else None,
+                              ra.share if ra else None, rb.share if rb else None,
+                              (ra or rb).floor_us))
+    return out
+
+
+def step_speedup(a: Profile, b: Profile) -> float | None:
+    return a.step_us / b.step_us if b.step_us else None
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}%"
+
+
 def compare_table(a: Profile, b: Profile, names: tuple[str, str] = ("A", "B")) -> Table:
     """Per-op time of two profiles side by side with the speedup A/B."""
     table = Table(title=f"{names[0]}: {title(a)}\n{names[1]}: {title(b)}")
     for col in ("op", f"{names[0]} time", f"{names[1]} time", "speedup", f"{names[0]} share",
                 f"{names[1]} share", "floor"):
         table.add_column(col, justify="left" if col == "op" else "right")
-    order = [r.op for r in a.rows] + [r.op for r in b.rows if r.op not in {x.op for x in a.rows}]
-    rows_a, rows_b = {r.op: r for r in a.rows}, {r.op: r for r in b.rows}
-    for op in order:
-        ra, rb = rows_a.get(op), rows_b.get(op)
-        ta, tb = (ra.time_us if ra else None), (rb.time_us if rb else None)
-        speed = f"{ta / tb:.2f}x" if ta and tb else "-"
-        floor = (ra or rb).floor_us
-        table.add_row(op, fmt_us(ta), fmt_us(tb), speed, f"{ra.share:.1f}%" if ra else "-",
-                      f"{rb.share:.1f}%" if rb else "-", fmt_us(floor))
+    for r in compare_rows(a, b):
+        table.add_row(r.op, fmt_us(r.a_us), fmt_us(r.b_us), _x(r.speedup), _pct(r.a_share),
+                      _pct(r.b_share), fmt_us(r.floor_us))
     table.add_section()
-    table.add_row("step", fmt_us(a.step_us), fmt_us(b.step_us),
-                  f"{a.step_us / b.step_us:.2f}x" if b.step_us else "-", "", "", "")
+    table.add_row("step", fmt_us(a.step_us), fmt_us(b.step_us), _x(step_speedup(a, b)), "", "",
+                  "")
     return table
+
+
+def compare_markdown(a: Profile, b: Profile, names: tuple[str, str] = ("A", "B")) -> list[str]:
+    """The compare table as markdown lines (times in µs, one decimal), then the whole step."""
+    n0, n1 = names
+    out = [f"| op | {n0} µs | {n1} µs | speedup | {n0} share | {n1} share | floor µs |",
+           "|---|---|---|---|---|---|---|"]
+    f1 = (lambda v: "-" if v is None else f"{v:.1f}")
+    for r in compare_rows(a, b):
+        out.append(f"| {r.op} | {f1(r.a_us)} | {f1(r.b_us)} | {_x(r.speedup)} | "
+                   f"{_pct(r.a_share)} | {_pct(r.b_share)} | "
+                   f"{'-' if r.floor_us is None else f'{r.floor_us:.2f}'} |")
+    out.append(f"| **step** | {a.step_us:.1f} | {b.step_us:.1f} | {_x(step_speedup(a, b))} | "
+               f"100% | 100% | {'-' if not a.floor_us else f'{a.floor_us:.1f}'} |")
+    return out
+
+
+def write_compare_chart(a: Profile, b: Profile, path: str | Path,
+                        names: tuple[str, str] = ("A", "B")) -> Path:
+    """Horizontal bars: each op's time in A next to its time in B (log scale), step in the title."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in compare_rows(a, b) if r.a_us or r.b_us][::-1]
+    values = [v for r in rows for v in (r.a_us, r.b_us) if v]
+    low = min(values) / 2 if values else 1e-3
+    fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 2.0))
+    y = list(range(len(rows)))
+    ax.barh([i + 0.2 for i in y], [max(r.a_us or 0, low) for r in rows], height=0.4,
+            label=names[0], color="tab:gray")
+    ax.barh([i - 0.2 for i in y], [max(r.b_us or 0, low) for r in rows], height=0.4,
+            label=names[1], color="tab:blue")
+    ax.set_yticks(y, [r.op for r in rows])
+    ax.set_xscale("log")
+    ax.set_xlim(left=low)
+    ax.set_xlabel("µs per step (log)" + ("" if a.rates.meaningful else
+                                         " (CPU: not meaningful)"))
+    # Not title(): a lock path as the kernels would run off the figure.
+    ax.set_title(f"{names[0]} vs {names[1]}: {b.target} ({b.phase}) batch {b.batch}, {b.layers} "
+                 f"layers, on {b.proxy or b.gpu}\nstep {fmt_us(a.step_us)} -> "
+                 f"{fmt_us(b.step_us)} ({_x(step_speedup(a, b))})", fontsize=9)
+    ax.legend(loc="best")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def compare_warnings(a: Profile, b: Profile) -> list[str]:

@@ -186,8 +186,9 @@ def _fill_random(model: BeamForCausalLM, gen: torch.Generator) -> None:
             buf.normal_(0.0, buf.shape[-1] ** -0.5, generator=gen)
 
 
-def resolve_ops(kernels: str, device: torch.device) -> OpTable:
-    """The op table for `reference`, `tuned` or a lock file, for this machine's arch."""
+def resolve_ops(kernels: str, device: torch.device, registry: str | None = None) -> OpTable:
+    """The op table for `reference`, `tuned` or a lock file, for this machine's arch; variants
+    come from `registry` (default: the repo's kernels/)."""
     if kernels == "reference":
         return OpTable()
     try:
@@ -195,7 +196,7 @@ def resolve_ops(kernels: str, device: torch.device) -> OpTable:
     except ImportError as e:
         raise TargetError(f"--kernels {kernels} needs the kernel registry (model/registry.py), "
                           f"which is not importable ({e}); use --kernels reference") from None
-    return registry_resolve(kernels=kernels, device=device)
+    return registry_resolve(kernels=kernels, registry=registry, device=device)
 
 
 def default_device(target: Target) -> torch.device:
@@ -204,7 +205,8 @@ def default_device(target: Target) -> torch.device:
 
 def build_workload(target: Target, batch: int, layers: int | None = None,
                    context: int | None = None, kernels: str = "reference",
-                   device: str | torch.device | None = None, seed: int = 0) -> Workload:
+                   device: str | torch.device | None = None, seed: int = 0,
+                   registry: str | None = None) -> Workload:
     """The model at the target's per-rank shapes with random weights, KV filled, inputs ready."""
     dev = torch.device(device) if device is not None else default_device(target)
     ctx = context or target.contexts[0]
@@ -218,8 +220,9 @@ def build_workload(target: Target, batch: int, layers: int | None = None,
     gen = torch.Generator(device=dev)
     gen.manual_seed(seed)
     start = time.perf_counter()
+    ops = resolve_ops(kernels, dev, registry)
     with torch.device(dev):
-        model = BeamForCausalLM(target.config(n), target.shard, ops=resolve_ops(kernels, dev))
+        model = BeamForCausalLM(target.config(n), target.shard, ops=ops)
     _fill_random(model, gen)
     t = target.tokens(batch, ctx)
     ids = torch.randint(0, target.shard.vocab_size, (t,), device=dev, generator=gen)
@@ -260,6 +263,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=None)
     p.add_argument("--kernels", default="reference")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--registry", default=None, help="registry the kernels come from")
     p.add_argument("--warmup", type=int, default=1)
     return p.parse_args(argv)
 
@@ -269,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
 
     a = _args(argv)
     work = build_workload(load_target(a.target), a.batch, a.layers, a.context, a.kernels,
-                          seed=a.seed)
+                          seed=a.seed, registry=a.registry)
     for _ in range(a.warmup):  # outside the range: ncu skips these kernels
         work.step()
     work.synchronize()
