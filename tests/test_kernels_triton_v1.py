@@ -14,7 +14,8 @@ import torch
 from model.ops import CONTRACTS
 from model.registry import Registry
 
-OPS = ("rmsnorm", "norm_residual_norm", "attn_output_gate", "swiglu", "logit_softcap")
+OPS = ("rmsnorm", "norm_residual_norm", "attn_output_gate", "swiglu", "logit_softcap",
+       "allreduce_norm_residual_norm")
 # Odd token counts and per-rank widths of Beam TP8 (H=5120, I=2560, Hq=6, D=128) and smaller.
 # The interpreter runs a norm row in ~0.1 s per chunk pass, so T=123 uses the narrow H=64.
 SHAPES = {
@@ -26,6 +27,9 @@ SHAPES = {
                          {"T": 123, "Hq": 4, "D": 32}],
     "swiglu": [{"T": 1, "I": 2560}, {"T": 17, "I": 1000}, {"T": 123, "I": 320}],
     "logit_softcap": [{"T": 1, "V": 2375}, {"T": 17, "V": 1000}, {"T": 123, "V": 512}],
+    # The TP boundary: rank counts 1 (degenerate), 2 (TP2), 3 (odd) and 8 (TP8).
+    "allreduce_norm_residual_norm": [{"R": 2, "T": 1, "H": 5120}, {"R": 8, "T": 3, "H": 320},
+                                     {"R": 3, "T": 17, "H": 320}, {"R": 1, "T": 5, "H": 64}],
 }
 CASES = [(op, shape, seed) for op in OPS for shape in SHAPES[op] for seed in (0, 1)]
 
@@ -171,7 +175,7 @@ def test_special_values_round_like_torch(variants):
     assert torch.equal(got.isnan(), CONTRACTS["swiglu"].reference(nan, ones).isnan())
 
 
-SMALL = {"T": 2, "H": 64, "Hq": 2, "D": 32, "I": 64, "V": 64}
+SMALL = {"R": 2, "T": 2, "H": 64, "Hq": 2, "D": 32, "I": 64, "V": 64}
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -188,6 +192,8 @@ def test_wrong_dtype_raises_value_error(variants, op):
     ("attn_output_gate", 2, torch.ones(3, dtype=torch.bfloat16)),
     ("swiglu", 1, torch.ones(2, 65, dtype=torch.bfloat16)),
     ("logit_softcap", 0, torch.ones(2, 4, 8, dtype=torch.bfloat16)),
+    ("allreduce_norm_residual_norm", 0, torch.ones(2, 64, dtype=torch.bfloat16)),
+    ("allreduce_norm_residual_norm", 1, torch.ones(3, 64, dtype=torch.bfloat16)),
 ])
 def test_wrong_shape_raises_value_error_naming_shapes(variants, op, index, bad):
     args = list(CONTRACTS[op].make_inputs(SMALL, 0))
@@ -199,10 +205,26 @@ def test_wrong_shape_raises_value_error_naming_shapes(variants, op, index, bad):
 @pytest.mark.parametrize("op", OPS)
 def test_empty_token_batch(variants, op):
     c = CONTRACTS[op]
-    shape = {"T": 0, "H": 64, "Hq": 2, "D": 32, "I": 64, "V": 64}
+    shape = {"R": 2, "T": 0, "H": 64, "Hq": 2, "D": 32, "I": 64, "V": 64}
     args = c.make_inputs(shape, 0)
     for g, r in zip(as_tuple(variants[op].run(*args)), as_tuple(c.reference(*args))):
         assert g.shape == r.shape and g.dtype == r.dtype
+
+
+@pytest.mark.parametrize("r,t,h", [(2, 1, 5120), (3, 17, 320), (8, 4, 320), (8, 123, 64)])
+def test_boundary_is_rank_sum_then_norm_residual_norm(variants, r, t, h):
+    # The fused boundary must be exactly norm_residual_norm triton_v1 applied to the rounded
+    # FP32 rank-order sum: bitwise on CPU too, since both kernels share one reduction layout.
+    c = CONTRACTS["allreduce_norm_residual_norm"]
+    from model.ops.allreduce_norm_residual_norm import MULTI_RANK_NEAR_MISSES, rank_sum
+
+    partials, res, w_post, w_next, d, eps = c.make_inputs({"R": r, "T": t, "H": h}, 11)
+    got = variants["allreduce_norm_residual_norm"].run(partials, res, w_post, w_next, d, eps)
+    want = variants["norm_residual_norm"].run(rank_sum(partials), res, w_post, w_next, d, eps)
+    assert mismatches(got, want) == 0
+    if r >= 3:  # a BF16 rounding after every add (a ring all-reduce) is told apart
+        chain = MULTI_RANK_NEAR_MISSES["bf16_rank_chain"](partials, res, w_post, w_next, d, eps)
+        assert mismatches(got, chain) > 0
 
 
 def _gpu_cases(op: str, tokens: int):
@@ -232,3 +254,14 @@ def test_gpu_bitwise(op, tokens):
     (the norms' policy allows 1 ulp; this documents the stronger claim)."""
     for got, ref in _gpu_cases(op, tokens):
         assert mismatches(got, ref) == 0, f"{op} T={tokens}: not bitwise on the GPU"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 17, 2048])
+def test_gpu_boundary_bitwise_at_tp2(tokens):
+    # _gpu_cases builds TP8 shapes (R = 8); Beam's other deployment, TP2, reads two partials.
+    op = "allreduce_norm_residual_norm"
+    mod = Registry().load_variant(op, "triton_v1")
+    for seed in (0, 1):
+        args = CONTRACTS[op].make_inputs({"R": 2, "T": tokens, "H": 5120}, seed, device="cuda")
+        assert mismatches(as_tuple(mod.run(*args)), as_tuple(CONTRACTS[op].reference(*args))) == 0

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from model.demo import write_demo_checkpoint
+from model.ops import CONTRACTS, norm_residual_norm
 from model.ops import allreduce_norm_residual_norm as arn
-from model.ops import norm_residual_norm
 from model.parallel import TPError, TPGroup, attach, launch
 from model.weights import load_model
 
@@ -47,7 +47,15 @@ def _boundary_outputs(group: TPGroup) -> dict:
         group.boundary_impl = impl
         mine = partials[group.rank].clone()  # "allreduce" reduces in place
         out[impl] = [t.cpu() for t in group.boundary(OpTable(), mine, *args)]
+    # The registry's fused kernel for the stacked op (Triton; the interpreter on CPU) plugged
+    # into the distributed boundary, as `--kernels tuned` does on an sm_90 GPU.
+    from model.registry import Registry
+
+    fused = Registry().load_variant(arn.NAME, "triton_v1")
     group.boundary_impl = "gather"
+    table = OpTable({arn.NAME: fused.run}, {arn.NAME: "triton_v1"})
+    out["gather+fused"] = [t.cpu() for t in group.boundary(table, partials[group.rank].clone(),
+                                                            *args)]
     out["partials"] = partials.cpu()
     out["args"] = [a.cpu() if torch.is_tensor(a) else a for a in args]
     return out
@@ -127,11 +135,25 @@ def _check_boundaries(ranks: list[dict], tp: int) -> None:
         got = rank["boundary"]["gather"]
         # The distributed boundary is the single-process op on the stacked partials, bitwise.
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        # The fused kernel on the gathered partials: within the op's policy on CPU (its norms
+        # sum in torch's CUDA order, the CPU reference in the CPU order); bitwise on GPUs.
+        numerics = CONTRACTS[arn.NAME].numerics
+        for g, w in zip(rank["boundary"]["gather+fused"], want, strict=True):
+            d = _ulps(g, w)
+            assert int(d.max()) <= numerics.max_ulp
+            assert float((d > 0).float().mean()) <= numerics.max_mismatch_fraction
     if tp == 2:
         # One BF16 add of two partials rounds like the FP32 sum: the backend's all-reduce
         # (gloo here, NCCL in the GPU test) matches bitwise.
         got = ranks[0]["boundary"]["allreduce"]
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def line(x):
+        i = x.contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(i < 0, -(i & 0x7FFF), i)
+    return (line(a) - line(b)).abs()
 
 
 def _count_boundary_calls(model, prompt: torch.Tensor) -> dict[str, int]:
