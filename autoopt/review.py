@@ -3,11 +3,14 @@
 Everything is plain files in the registry directory (variant sources, JSON records, tuned
 configs, NOTES.md, the lock), so `git diff kernels/` shows exactly what `accept` or a run
 changed. `register_variant` is the optimize loop's only way in: a new immutable file per
-winner, never an edit of an existing one.
+winner, never an edit of an existing one. A winner whose code is an existing variant's (the
+same program, whatever its comments and docstrings say) won by its tuned meta-parameters only:
+those go to that variant's configs/<variant>.json and its record, and no copy is registered.
 """
 
 from __future__ import annotations
 
+import ast
 import difflib
 import inspect
 import json
@@ -37,6 +40,38 @@ def next_name(reg: Registry, op: str, prefix: str) -> str:
     return f"{prefix}_v{n}"
 
 
+def code_key(source: str) -> str | None:
+    """The program a source defines, without comments and docstrings (None: not Python)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        scoped = ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
+        if (isinstance(node, scoped) and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree, include_attributes=False)
+
+
+def same_code(reg: Registry, op: str, source: str, arch: str | None = None) -> str | None:
+    """The registered variant whose program equals `source`'s: the one locked for `arch` first,
+    then accepted, then candidate ones, never a rejected one; None when there is none."""
+    key = code_key(source)
+    if key is None:
+        return None
+    locked = reg.read_lock().get(arch or "", {}).get(op, {}).get("variant")
+    rank = {"accepted": 1, "candidate": 2}
+    found = []
+    for name in reg.variants(op):
+        status = (reg.read_record(op, name) or {}).get("status")
+        if status in rank and code_key(reg.variant_path(op, name).read_text()) == key:
+            found.append((0 if name == locked else rank[status], name))
+    return min(found)[1] if found else None
+
+
 def _slim_report(r: Mapping[str, Any]) -> dict:
     keep = ("verdict", "reasons", "device", "seeds", "shapes", "config", "checks", "env",
             "elapsed_s", "sha256")
@@ -49,6 +84,9 @@ def register_variant(ctx: RunContext, task: Any, path: Path, proposal: Any, sha:
     """Copy a verified winner into the registry as a new variant; returns the outcome text."""
     reg, op = ctx.registry, task.op
     with ctx.lock:
+        twin = same_code(reg, op, path.read_text(), ctx.arch)
+        if twin is not None:
+            return tune_existing(ctx, task, twin, proposal, reports, rows, speedup)
         for name in reg.variants(op):
             if reg.sha256(reg.variant_path(op, name)) == sha:
                 return f"same code as registered {op}/{name}; not registered again"
@@ -84,6 +122,46 @@ def register_variant(ctx: RunContext, task: Any, path: Path, proposal: Any, sha:
             locked = f" and locked for {ctx.arch}"
         append_notes(reg, op, name, proposal, speedup, ctx, task.current_name)
     return f"registered {op}/{name} as {status}{locked}"
+
+
+def tune_existing(ctx: RunContext, task: Any, name: str, proposal: Any,
+                  reports: Sequence[Mapping], rows: Sequence[Mapping], speedup: float) -> str:
+    """A winner with `name`'s code: keep its tuned configs and evidence on `name` (caller locks)."""
+    reg, op = ctx.registry, task.op
+    if not ctx.meaningful:
+        return (f"same code as registered {op}/{name}; CPU timings cannot judge its configs, "
+                "so nothing was written")
+    per_bucket = {bucket(r["shape"]): r["config"] for r in rows if r.get("config")}
+    if not per_bucket:
+        return f"same code as registered {op}/{name} and no tuned config; not registered again"
+    configs = reg.read_configs(op, name)
+    configs[ctx.gpu] = per_bucket
+    reg.write_configs(op, name, configs)
+    rec = reg.read_record(op, name) or {}
+    rec.setdefault("tuned_configs", []).append({
+        "run": ctx.run_dir.name, "gpu": ctx.gpu, "configs": per_bucket, "speedup": speedup,
+        "baseline": task.current_name, "speed_judged": ctx.meaningful, "time": now_iso(),
+        "agent": proposal.meta.get("agent"), "template": proposal.meta.get("template"),
+        "verification": [_slim_report(r) for r in reports],
+        "benchmarks": [{**r, "target": ctx.target.name, "proxy": ctx.proxy_note} for r in rows]})
+    locked = ""
+    if ctx.auto_accept and ctx.meaningful:
+        if rec.get("status") != "accepted":
+            rec["status"] = "accepted"
+            rec["status_reason"] = "auto-accepted with tuned configs by autoopt optimize"
+        reg.write_record(op, name, rec)
+        reg.set_lock(ctx.arch, op, name)
+        locked = f", accepted and locked for {ctx.arch}"
+    else:
+        reg.write_record(op, name, rec)
+    notes = reg.root / op / "NOTES.md"
+    with notes.open("a") as f:
+        f.write(f"\n## {name}: tuned configs ({now_iso()}, agent {proposal.meta.get('agent')}, "
+                f"run {ctx.run_dir.name})\n\nSame program as {name}; only its meta-parameters "
+                f"were tuned, per token bucket: {json.dumps(per_bucket, sort_keys=True)}.\n\n"
+                f"Result: verified; {speedup:.3f}x over {task.current_name} on {ctx.gpu}.\n")
+    return (f"same code as {op}/{name}: its tuned configs went to configs/{name}.json"
+            f"{locked}; no new variant")
 
 
 def append_notes(reg: Registry, op: str, name: str, proposal: Any, speedup: float,

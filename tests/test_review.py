@@ -14,7 +14,7 @@ from autoopt.agents.base import OptimizationTask
 from autoopt.agents.template import CATALOG
 from autoopt.cli import app
 from autoopt.loop_eval import RunContext
-from autoopt.review import register_variant
+from autoopt.review import code_key, register_variant
 from autoopt.targets import load_target
 from model.registry import Registry, RegistryError
 
@@ -62,8 +62,46 @@ def test_registration_writes_new_immutable_files_and_dedupes(tmp_path):
     assert "Hypothesis: h" in (reg.root / "swiglu" / "NOTES.md").read_text()
     # The same code again is not a new variant; different code is v2.
     assert "same code as registered" in _register(tmp_path, "swiglu", src)
-    assert _register(tmp_path, "swiglu", src + "\n# v2\n").endswith("claude_tiles_v2 as candidate")
+    v2 = _register(tmp_path, "swiglu", src + "\nV2 = 2\n")
+    assert v2.endswith("claude_tiles_v2 as candidate")
     assert not reg.lock_path.exists()
+
+
+def test_code_key_ignores_comments_and_docstrings_only():
+    src = CATALOG["swiglu"][0].render()
+    redoc = src.replace('"""', '"""Another header. ', 1) + "\n# a trailing comment\n"
+    assert code_key(redoc) == code_key(src)
+    assert code_key(src + "\nX = 1\n") != code_key(src)
+    assert code_key(src.replace("num_warps", "nwarps")) != code_key(src)
+    assert code_key("def broken(:") is None
+
+
+def test_same_program_with_a_tuned_config_goes_to_the_existing_variant(tmp_path):
+    # A template rendering of a registered variant's code (another header) that wins by its
+    # config alone: the config and evidence land on that variant; no copy is registered.
+    src = CATALOG["swiglu"][0].render()
+    first = _register(tmp_path, "swiglu", src, arch="sm_90", auto_accept=True)
+    assert first.endswith("claude_tiles_v1 as accepted and locked for sm_90")
+    reg = Registry(tmp_path / "registry")
+    before = set(reg.variants("swiglu"))
+    twin = src.replace('"""', '"""Rendered again with another header. ', 1)
+    out = _register(tmp_path, "swiglu", twin, arch="sm_90", auto_accept=True, hint="again")
+    assert out.startswith("same code as swiglu/claude_tiles_v1: its tuned configs went to")
+    assert "locked for sm_90" in out
+    assert set(reg.variants("swiglu")) == before
+    assert reg.read_configs("swiglu", "claude_tiles_v1") == {"NVIDIA H200": {"T=1": {"ROWS": 2}}}
+    rec = reg.read_record("swiglu", "claude_tiles_v1")
+    assert rec["tuned_configs"][-1]["configs"] == {"T=1": {"ROWS": 2}}
+    assert rec["tuned_configs"][-1]["verification"][0]["verdict"] == "pass"
+    assert "claude_tiles_v1: tuned configs" in (reg.root / "swiglu" / "NOTES.md").read_text()
+    assert reg.lock("sm_90")["swiglu"].variant == "claude_tiles_v1"
+    # On the CPU the timings judge nothing: the existing variant is left as it was.
+    cpu = _register(tmp_path / "cpu", "swiglu", src)
+    assert cpu.endswith("as candidate")
+    files = {p: p.read_bytes() for p in registry_files(tmp_path / "cpu" / "registry")}
+    out = _register(tmp_path / "cpu", "swiglu", twin, hint="again")
+    assert "nothing was written" in out
+    assert files == {p: p.read_bytes() for p in registry_files(tmp_path / "cpu" / "registry")}
 
 
 def test_auto_accept_locks_gpu_winners_but_never_cpu_ones(tmp_path):
@@ -78,7 +116,7 @@ def test_auto_accept_locks_gpu_winners_but_never_cpu_ones(tmp_path):
 def test_review_list_show_accept_reject(tmp_path):
     src = CATALOG["swiglu"][0].render()
     _register(tmp_path, "swiglu", src)
-    _register(tmp_path, "swiglu", src.replace("ROWS", "ROWS "), hint="other")
+    _register(tmp_path, "swiglu", src + "\nOTHER = 1\n", hint="other")
     reg_dir = str(tmp_path / "registry")
     cli = CliRunner()
     res = cli.invoke(app, ["review", "list", "--registry", reg_dir])
