@@ -248,6 +248,36 @@ def test_read_with_ncu_report(monkeypatch, tmp_path):
         ("gemm", "qkv_gate_proj", pytest.approx(2.5), 2004000), ("copy", OTHER, 1.0, None)]
 
 
+_CHILD_REPORT = """
+import types
+def load_report(path):
+    if "crash" in path:
+        import os
+        os.abort()  # what a native reader crash looks like to the parent
+    metric = lambda v: types.SimpleNamespace(as_double=lambda: v, unit=lambda: "nsecond")
+    state = types.SimpleNamespace(domains=lambda: [0], domain_by_id=lambda i: types.SimpleNamespace(
+        push_pop_ranges=lambda: ("autoopt_step", "swiglu")))
+    action = types.SimpleNamespace(name=lambda: "k", nvtx_state=lambda: state,
+                                   metric_by_name=lambda n: metric(1500.0) if "duration" in n
+                                   else None)
+    rng = types.SimpleNamespace(num_actions=lambda: 2, action_by_idx=lambda i: action)
+    return types.SimpleNamespace(num_ranges=lambda: 1, range_by_idx=lambda i: rng)
+"""
+
+
+def test_report_is_read_in_a_child_process_and_a_crash_is_an_error(monkeypatch, tmp_path):
+    # The ncu_report extension once crashed its host process; the reader runs in a child, so
+    # a crash becomes an NcuError that run_ncu answers with the CSV fallback.
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "ncu_report.py").write_text(_CHILD_REPORT)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "mods"))
+    recs = nsight.read_in_child(tmp_path / "ok.ncu-rep", "ncu", timeout_s=120)
+    assert [(r.name, r.op, r.duration_us, r.dram_bytes) for r in recs] == [
+        ("k", "swiglu", pytest.approx(1.5), None)] * 2
+    with pytest.raises(nsight.NcuError, match="reader exited"):
+        nsight.read_in_child(tmp_path / "crash.ncu-rep", "ncu", timeout_s=120)
+
+
 def test_run_ncu_without_ncu(monkeypatch):
     monkeypatch.setattr(nsight, "find_ncu", lambda: None)
     with pytest.raises(nsight.NcuError, match="ncu .* not found"):

@@ -18,6 +18,7 @@ import csv
 import glob
 import importlib
 import io
+import json
 import os
 import re
 import shutil
@@ -130,6 +131,22 @@ def read_with_ncu_report(report: Path, ncu: str) -> list[KernelRecord]:
     return records
 
 
+def read_in_child(report: Path, ncu: str, timeout_s: float = 600.0) -> list[KernelRecord]:
+    """`read_with_ncu_report` in a child process: the ncu_report module is a native extension
+    that has crashed a host process (a segfault inside pytest); a crash here is an error the
+    caller can fall back from."""
+    cmd = [sys.executable, "-m", "autoopt.profiler.nsight", "--read", str(report), "--ncu", ncu]
+    child_env = dict(os.environ)
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        [str(env.REPO_ROOT)] + ([child_env["PYTHONPATH"]] if child_env.get("PYTHONPATH") else []))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=child_env)
+    if proc.returncode:
+        raise NcuError(f"the ncu_report reader exited {proc.returncode}: {proc.stderr[-800:]}")
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    return [KernelRecord(name, label, float(us), None if dram is None else int(dram))
+            for name, label, us, dram in rows]
+
+
 def _csv_label(cell: str) -> str:
     # The NVTX cell lists the push/pop stack outermost first; the last known name is innermost.
     hits = _KNOWN_RE.findall(cell or "")
@@ -221,7 +238,7 @@ def run_ncu(target: str, batch: int, layers: int, context: int, kernels: str = "
         raise NcuError(f"ncu exited {proc.returncode} without a report: {output[-3000:]}")
     version = ncu_version(ncu)
     try:
-        records, reader = read_with_ncu_report(report, ncu), "ncu_report"
+        records, reader = read_in_child(report, ncu), "ncu_report"
     except Exception as first:  # noqa: BLE001 - any reader failure falls back to the CSV export
         try:
             records, reader = read_with_csv(report, ncu), f"csv (ncu_report: {first})"
@@ -231,3 +248,14 @@ def run_ncu(target: str, batch: int, layers: int, context: int, kernels: str = "
         raise NcuError(f"ncu profiled no kernel inside the NVTX range {STEP_RANGE!r}; "
                        f"its output ended: {output[-1500:]}")
     return NcuRun(records, version, wall, reader, " ".join(cmd))
+
+
+if __name__ == "__main__":  # the child of `read_in_child`: one JSON line of kernel records
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--read", required=True)
+    ap.add_argument("--ncu", required=True)
+    a = ap.parse_args()
+    recs = read_with_ncu_report(Path(a.read), a.ncu)
+    print(json.dumps([[r.name, r.op, r.duration_us, r.dram_bytes] for r in recs]))
