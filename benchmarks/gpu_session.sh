@@ -13,7 +13,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
   export PYTHONPATH=$PWD
 fi
-R=/tmp/res; mkdir -p "$R"
+R=/tmp/res-$phase; rm -rf "$R"; mkdir -p "$R"  # a warm machine keeps /tmp between calls
 export AUTOOPT_CACHE=$R/cache
 { nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; git log -1 --format=%H 2>/dev/null; } > "$R/machine-$phase.txt" 2>&1
 run() {  # run NAME SECONDS CMD...: bounded, logged, never fatal
@@ -57,6 +57,34 @@ case $phase in
     ;;
   tp)
     run tp 280 python3 benchmarks/tp_bench.py --out "$R/tp"
+    ;;
+  s2a)  # session 2, call 1 (2 GPUs): optimize on GPU 0 while GPU 1 re-measures kernels + ncu
+    ( export CUDA_VISIBLE_DEVICES=0
+      run optimize 540 env OUT="$R/optimize" BUDGET=420s TRIALS=6 bash benchmarks/gpu_optimize.sh
+    ) &
+    ( export CUDA_VISIBLE_DEVICES=1
+      run kernels 280 python3 benchmarks/gpu_kernels.py --out "$R/kernels" --variants triton_v1 \
+        --ops rmsnorm,norm_residual_norm,attn_output_gate,swiglu,logit_softcap,allreduce_norm_residual_norm
+      run ncu 220 python3 benchmarks/gpu_profile.py --out "$R/profile" --only decode-b1 \
+        --skip-full --ncu-layers 8 --budget-s 200
+    ) &
+    wait
+    ;;
+  s2b)  # session 2, call 2 (2 GPUs): TP2 over NCCL, then FlashInfer and the GPU tests
+    run tp 170 python3 benchmarks/tp_bench.py --out "$R/tp" --timeout 150 \
+      --fused kernels/allreduce_norm_residual_norm/triton_v1.py
+    run tp-tests 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_parallel.py \
+      tests/test_serve_tp.py
+    export FLASHINFER_WORKSPACE_BASE=/tmp/fi-cache
+    ( export CUDA_VISIBLE_DEVICES=0
+      run flashinfer 200 python3 benchmarks/flashinfer_check.py --out "$R/flashinfer" --budget-s 180
+      run fi-tests 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_serve_flashinfer.py
+    ) &
+    ( export CUDA_VISIBLE_DEVICES=1
+      run gpu-tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=150 \
+        tests/test_kernels_triton_v1.py tests/test_serve_gpu.py tests/test_eval_gpu.py
+    ) &
+    wait
     ;;
 esac
 # Nsight report files are large (over the 16 MiB a fetched file may have): keep their summaries.
