@@ -374,13 +374,16 @@ class Resolution:
 
 
 def resolve_ops(kernels: str | Path = "tuned", registry: str | Path | None = None,
-                arch: str | None = None, device: str | torch.device | None = None) -> OpTable:
+                arch: str | None = None, device: str | torch.device | None = None,
+                dtype: torch.dtype | None = None) -> OpTable:
     """The OpTable for `--kernels tuned|reference|<lock file>` on this machine.
 
     `tuned` reads the registry's own lock, a path reads that lock file (variants still come from
     `registry`, default the repo's kernels/). The section is this machine's arch (`sm_90`,
     `cpu`; from `device`, or `arch` to override). Refused variants warn once each
     (KernelRefusedWarning) and fall back to the reference; `table.resolution` says per op.
+    Variants implement the BF16 contracts: a model of another `dtype` (FP32 parity runs) runs
+    every op's reference, said in `table.resolution`.
     """
     reg = Registry(registry)
     arch = arch or current_arch(device)
@@ -402,6 +405,12 @@ def resolve_ops(kernels: str | Path = "tuned", registry: str | Path | None = Non
             warnings.warn(f"{exc}; every op runs the reference", KernelRefusedWarning,
                           stacklevel=2)
     gpu = gpu_name(device) if arch != "cpu" else "cpu"
+    if dtype is not None and dtype != torch.bfloat16 and entries:
+        why = f"registry variants implement the BF16 contracts; a {dtype} model runs the reference"
+        log.info("--kernels %s: %s", kernels, why)
+        resolution.update({op: Resolution(op, "reference", e.variant, why)
+                           for op, e in entries.items() if op in CONTRACTS})
+        entries = {}
     for op, entry in sorted(entries.items()):
         if op not in CONTRACTS:
             warnings.warn(f"lock [{arch}] names unknown op {op!r}; ignoring it",

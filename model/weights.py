@@ -352,7 +352,7 @@ def load_model(
     cfg = BeamConfig.load(path)
     reader = CheckpointReader(path)
     check_checkpoint(reader, cfg)
-    ops = resolve_ops(kernels, registry, device=device)
+    ops = resolve_ops(kernels, registry, device=device, dtype=dtype)
     model = BeamForCausalLM(cfg, cfg.shard(tp, ep), rank=rank, dtype=dtype, ops=ops)
     load_into(model, reader)
     return model.to(device)

@@ -59,6 +59,21 @@ def test_default_kernels_on_cpu_are_the_reference(checkpoint):
     assert set(model.ops.sources.values()) == {"reference"}
 
 
+def test_fp32_model_runs_the_reference_even_with_a_lock(checkpoint, test_lock):
+    # The variants implement the BF16 contracts (they refuse FP32 tensors): an FP32 parity model
+    # with --kernels tuned/<lock> must run the references, say why, and not warn.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KernelRefusedWarning)
+        model = load_model(checkpoint, dtype=torch.float32, device="cpu", kernels=test_lock)
+    assert set(model.ops.sources.values()) == {"reference"}
+    for op in TRITON_OPS:
+        res = model.ops.resolution[op]
+        assert res.variant == "triton_v1" and "BF16 contracts" in res.refused
+    ids = torch.tensor([[7, 11, 300, 42]])
+    want = load_model(checkpoint, dtype=torch.float32, device="cpu", kernels="reference")(ids)
+    assert torch.equal(model(ids), want)
+
+
 def test_refused_variant_keeps_the_model_running(checkpoint, test_lock, tmp_path):
     text = test_lock.read_text().replace(sha256(Registry().variant_path("swiglu", "triton_v1")),
                                          "0" * 64)
