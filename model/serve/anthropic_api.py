@@ -16,6 +16,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+from model.serve.chat_template import REASONING_BUDGET
 from model.serve.generation import Finished, TextChunk
 from model.serve.harmony import Delta, StreamingParser
 from model.serve.openai_api import sse
@@ -34,7 +35,6 @@ from model.serve.serving import (
     reasoning_effort,
     start_generation,
 )
-from model.serve.tokenizer import REASONING_BUDGET
 
 log = logging.getLogger(__name__)
 _BLOCK_OF = {"reasoning": "thinking", "content": "text"}

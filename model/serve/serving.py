@@ -24,6 +24,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from model.serve.async_engine import EngineDeadError
+from model.serve.chat_template import REASONING_BUDGET, REASONING_EFFORTS
 from model.serve.generation import (
     EngineProtocol,
     Finished,
@@ -33,12 +34,7 @@ from model.serve.generation import (
 )
 from model.serve.metrics import Metrics
 from model.serve.protocol import APIError, ToolMode
-from model.serve.tokenizer import (
-    REASONING_BUDGET,
-    REASONING_EFFORTS,
-    SPECIAL_TOKENS,
-    BeamTokenizer,
-)
+from model.serve.tokenizer import SPECIAL_TOKENS, BeamTokenizer
 
 ANALYSIS_OPEN = "<|channel|>analysis<|message|>"
 

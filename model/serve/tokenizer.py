@@ -1,8 +1,9 @@
-"""Beam tokenizer: the built-in demo BPE, the chat template and incremental detokenization.
+"""Beam tokenizer: the built-in demo BPE, encoding/decoding and incremental detokenization.
 
-The chat format is the one of `shared/FORMAT.md`. A real checkpoint ships its own `tokenizer.json`
-and chat template; `BeamTokenizer.from_pretrained` reads those, and the demo tokenizer written by
-`write_tokenizer_files` loads the same way in `transformers.AutoTokenizer`.
+A real checkpoint ships its own `tokenizer.json` and chat template; `BeamTokenizer.from_pretrained`
+reads those, and the demo tokenizer written by `write_tokenizer_files` loads the same way in
+`transformers.AutoTokenizer`. The chat format (`shared/FORMAT.md`) lives in
+`model.serve.chat_template`; its public names are re-exported here for existing callers.
 """
 
 from __future__ import annotations
@@ -13,9 +14,36 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from model.serve.chat_template import (
+    CHAT_TEMPLATE,
+    DEFAULT_REASONING_EFFORT,
+    REASONING_BUDGET,
+    REASONING_EFFORTS,
+    ChatTemplate,
+    read_chat_template,
+)
+
+__all__ = [
+    "BOS_TOKEN",
+    "CHAT_TEMPLATE",
+    "DEFAULT_REASONING_EFFORT",
+    "EOS_TOKEN",
+    "MODEL_MAX_LENGTH",
+    "PAD_TOKEN",
+    "REASONING_BUDGET",
+    "REASONING_EFFORTS",
+    "SPECIAL_TOKENS",
+    "STOP_TOKENS",
+    "TOKENIZER_CLASS",
+    "BeamTokenizer",
+    "ChatTemplate",
+    "IncrementalDecoder",
+    "build_demo_tokenizer",
+    "read_chat_template",
+    "write_tokenizer_files",
+]
 
 # Order is the id order: these get ids 0..7 and ids must never move between builds.
 SPECIAL_TOKENS: tuple[str, ...] = (
@@ -34,125 +62,9 @@ EOS_TOKEN = "<|return|>"
 STOP_TOKENS: tuple[str, ...] = ("<|return|>", "<|call|>")
 MODEL_MAX_LENGTH = 1_048_576
 
-REASONING_EFFORTS: tuple[str, ...] = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
-DEFAULT_REASONING_EFFORT = "max"
-# Reasoning-token budget per effort; the server closes reasoning when the budget is spent.
-REASONING_BUDGET: dict[str, int] = {
-    "none": 0,
-    "minimal": 32,
-    "low": 64,
-    "medium": 128,
-    "high": 256,
-    "xhigh": 384,
-    "max": 512,
-}
-
 # "PreTrainedTokenizerFast" loads as transformers 5's TokenizersBackend and also in transformers
 # 4.x and vLLM, which do not know the name "TokenizersBackend".
 TOKENIZER_CLASS = "PreTrainedTokenizerFast"
-
-# Choices the format leaves open (documented here, asserted in tests/test_tokenizer.py):
-# - A header system message always comes first: "Reasoning: EFFORT", then "# Tools" with one JSON
-#   object per tool when tools are given. The caller's own system/developer messages follow it.
-# - Tool results render as `<|start|>tool from=NAME<|message|>RESULT<|end|>`; NAME is the message's
-#   `name`, else the name of the call whose id is its `tool_call_id`, else the call at its position.
-# - An assistant turn always renders its reasoning (empty when absent), so history matches what the
-#   model generated; content and tool calls in one turn render as a final message, then the calls.
-# - Effort "none" pre-fills an empty analysis message in the generation prompt, so the model starts
-#   directly at its answer or tool call and the parser still sees reasoning (empty) first.
-CHAT_TEMPLATE: str = r"""
-{%- set efforts = ['none', 'minimal', 'low', 'medium', 'high', 'xhigh', 'max'] -%}
-{%- if reasoning_effort is defined and reasoning_effort is not none -%}
-  {%- set effort = reasoning_effort -%}
-{%- else -%}
-  {%- set effort = 'max' -%}
-{%- endif -%}
-{%- if effort not in efforts -%}
-  {{- raise_exception('reasoning_effort must be one of ' ~ efforts | join(', ')
-                      ~ ', got ' ~ effort) -}}
-{%- endif -%}
-{%- macro text_of(content) -%}
-  {%- if content is none -%}
-  {%- elif content is string -%}{{- content -}}
-  {%- elif content is mapping -%}{{- content | tojson -}}
-  {%- else -%}
-    {%- for part in content -%}
-      {%- if part is string -%}{{- part -}}
-      {%- elif part.type == 'text' -%}{{- part.text -}}
-      {%- endif -%}
-    {%- endfor -%}
-  {%- endif -%}
-{%- endmacro -%}
-{{- '<|start|>system<|message|>Reasoning: ' ~ effort -}}
-{%- if tools -%}
-  {{- '\n\n# Tools' -}}
-  {%- for tool in tools -%}{{- '\n' ~ (tool | tojson) -}}{%- endfor -%}
-{%- endif -%}
-{{- '<|end|>' -}}
-{%- set ns = namespace(names=[], ids=[], position=0) -%}
-{%- for message in messages -%}
-  {%- if message.role in ['system', 'developer', 'user'] -%}
-    {{- '<|start|>' ~ message.role ~ '<|message|>' ~ text_of(message.content) ~ '<|end|>' -}}
-  {%- elif message.role == 'assistant' -%}
-    {%- set reasoning = message.reasoning_content if message.reasoning_content is defined -%}
-    {{- '<|start|>assistant<|channel|>analysis<|message|>' ~ text_of(reasoning) ~ '<|end|>' -}}
-    {%- set calls = message.tool_calls if message.tool_calls is defined else none -%}
-    {%- set calls = calls if calls else [] -%}
-    {%- set answer = text_of(message.content) if message.content is defined else '' -%}
-    {%- if answer or not calls -%}
-      {{- '<|start|>assistant<|channel|>final<|message|>' ~ answer ~ '<|end|>' -}}
-    {%- endif -%}
-    {%- set ns.names = [] -%}
-    {%- set ns.ids = [] -%}
-    {%- set ns.position = 0 -%}
-    {%- for call in calls -%}
-      {%- set fn = call.function if call.function is defined else call -%}
-      {%- set args = fn.arguments if fn.arguments is defined else none -%}
-      {%- set args = args if args is not none else {} -%}
-      {%- if args is string -%}
-        {{- raise_exception('tool call arguments must be a JSON object, got a string for '
-                            ~ fn.name ~ '; parse it before rendering') -}}
-      {%- endif -%}
-      {%- set ns.names = ns.names + [fn.name] -%}
-      {%- set ns.ids = ns.ids + [call.id if call.id is defined else none] -%}
-      {{- '<|start|>assistant to=' ~ fn.name ~ '<|channel|>analysis <|constrain|>xml<|message|>' -}}
-      {%- for key, value in args | dictsort(true) -%}
-        {{- '<rfl:parameter name="' ~ key ~ '">\n' -}}
-        {{- (value if value is string else value | tojson) ~ '\n</rfl:parameter>' -}}
-      {%- endfor -%}
-      {{- '<|call|>' -}}
-    {%- endfor -%}
-  {%- elif message.role == 'tool' -%}
-    {%- set ns2 = namespace(name=none) -%}
-    {%- if message.name is defined and message.name -%}
-      {%- set ns2.name = message.name -%}
-    {%- elif message.tool_call_id is defined and message.tool_call_id in ns.ids -%}
-      {%- for id in ns.ids -%}
-        {%- if id == message.tool_call_id -%}
-          {%- set ns2.name = ns.names[loop.index0] -%}
-        {%- endif -%}
-      {%- endfor -%}
-    {%- elif ns.position < ns.names | length -%}
-      {%- set ns2.name = ns.names[ns.position] -%}
-    {%- endif -%}
-    {%- if ns2.name is none -%}
-      {{- raise_exception('tool message ' ~ loop.index0 ~ ' names no tool: give it a name'
-                          ~ ' or the tool_call_id of an earlier call') -}}
-    {%- endif -%}
-    {%- set ns.position = ns.position + 1 -%}
-    {{- '<|start|>tool from=' ~ ns2.name ~ '<|message|>' ~ text_of(message.content) ~ '<|end|>' -}}
-  {%- else -%}
-    {{- raise_exception('unknown role ' ~ message.role
-                        ~ '; expected system, developer, user, assistant or tool') -}}
-  {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-  {%- if effort == 'none' -%}
-    {{- '<|start|>assistant<|channel|>analysis<|message|><|end|>' -}}
-  {%- endif -%}
-  {{- '<|start|>assistant' -}}
-{%- endif -%}
-"""
 
 # Training text for the demo BPE: English, code, JSON and the words of the chat format, so common
 # format words become single tokens. Changing it changes every id above 7: treat it as frozen.
@@ -275,80 +187,13 @@ def write_tokenizer_files(
     (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
 
 
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # Same as transformers' override, so both render identical strings (jinja's escapes HTML).
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _raise_exception(message: str) -> None:
-    raise ValueError(message)
-
-
-def _compile_template(source: str) -> Any:
-    # Environment settings mirror transformers' so a checkpoint's template renders the same here.
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    return env.from_string(source)
-
-
-def _normalize_message(message: dict[str, Any]) -> dict[str, Any]:
-    """Alias reasoning fields as transformers does, and parse JSON-string tool arguments."""
-    out = dict(message)
-    for key in ("reasoning_content", "thinking", "reasoning"):
-        if out.get(key) is not None:
-            out["reasoning_content"] = out[key]
-            break
-    calls = out.get("tool_calls")
-    if calls:
-        out["tool_calls"] = [_normalize_call(call) for call in calls]
-    return out
-
-
-def _normalize_call(call: dict[str, Any]) -> dict[str, Any]:
-    # OpenAI clients send arguments as a JSON string; the template needs the object.
-    call = dict(call)
-    fn = dict(call["function"]) if "function" in call else call
-    if isinstance(fn.get("arguments"), str):
-        try:
-            fn["arguments"] = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
-        except json.JSONDecodeError as e:
-            raise ValueError(
-                f"tool call {fn.get('name')!r} has arguments that are not JSON ({e}); "
-                "send a JSON object string or a dict"
-            ) from e
-    if "function" in call:
-        call["function"] = fn
-    return call
-
-
-def _read_chat_template(path: Path, config: dict[str, Any]) -> str:
-    template = config.get("chat_template")
-    if isinstance(template, list):  # HF's named-template form: [{"name", "template"}, ...]
-        named = {t["name"]: t["template"] for t in template}
-        template = named.get("default", next(iter(named.values()), None))
-    if template is None and (path / "chat_template.jinja").exists():
-        template = (path / "chat_template.jinja").read_text()
-    return template if template is not None else CHAT_TEMPLATE
-
-
 class BeamTokenizer:
     """Encode, decode and render chats with a `tokenizers.Tokenizer` and a Jinja chat template."""
 
     def __init__(self, tokenizer: Tokenizer, chat_template: str = CHAT_TEMPLATE) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
-        self._template = _compile_template(chat_template)
+        self._template = ChatTemplate(chat_template)
         self._special_ids = frozenset(
             i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special
         )
@@ -368,7 +213,7 @@ class BeamTokenizer:
             )
         config_file = path / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.exists() else {}
-        return cls(Tokenizer.from_file(str(tokenizer_file)), _read_chat_template(path, config))
+        return cls(Tokenizer.from_file(str(tokenizer_file)), read_chat_template(path, config))
 
     @property
     def vocab_size(self) -> int:
@@ -402,12 +247,7 @@ class BeamTokenizer:
         reasoning_effort: str | None = DEFAULT_REASONING_EFFORT,
     ) -> str:
         """Render `messages` to the prompt string (not tokenized)."""
-        return self._template.render(
-            messages=[_normalize_message(m) for m in messages],
-            tools=list(tools) if tools is not None else None,
-            add_generation_prompt=add_generation_prompt,
-            reasoning_effort=reasoning_effort,
-        )
+        return self._template.render(messages, tools, add_generation_prompt, reasoning_effort)
 
     def incremental_decoder(self, skip_special_tokens: bool = False) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
