@@ -21,6 +21,9 @@ def register(app: typer.Typer) -> None:
 
 
 # ---- serving (issue 3) -------------------------------------------------------------------------
+ATTENTION_HELP = ("auto (FlashInfer on a GPU where it is installed, else torch), torch or "
+                  "flashinfer (default: auto).")
+
 @dataclass(frozen=True)
 class GenerateArgs:
     model: Path | None
@@ -39,6 +42,7 @@ class GenerateArgs:
     json: bool
     tp: int | None = None  # issue 7
     ep: int | None = None
+    attention_backend: str | None = None
 
 
 def generate(
@@ -60,10 +64,12 @@ def generate(
     tp: int = typer.Option(None, "--tp", help="Tensor-parallel ranks: one process per GPU "
                            "(NCCL), or N CPU processes (gloo)."),
     ep: int = typer.Option(None, "--ep", help="Expert parallelism: 1 (default) or the --tp value."),
+    attention_backend: str = typer.Option(None, "--attention-backend", help=ATTENTION_HELP),
 ) -> None:
     """Generate from one prompt offline, through the serving engine."""
     args = GenerateArgs(model, prompt, prompt_ids, max_tokens, temperature, top_p, top_k, seed,
-                        device, dtype, kernels, max_model_len, cuda_graphs, json_out, tp, ep)
+                        device, dtype, kernels, max_model_len, cuda_graphs, json_out, tp, ep,
+                        attention_backend)
     import json
     from dataclasses import asdict
 
@@ -114,6 +120,7 @@ def serve(
     tp: int = typer.Option(None, "--tp", help="Tensor-parallel ranks: one process per GPU "
                            "(NCCL), or N CPU processes (gloo)."),
     ep: int = typer.Option(None, "--ep", help="Expert parallelism: 1 (default) or the --tp value."),
+    attention_backend: str = typer.Option(None, "--attention-backend", help=ATTENTION_HELP),
 ) -> None:
     """Serve a checkpoint over the OpenAI and Anthropic HTTP APIs (no --model: the demo)."""
     from model.parallel import TPError
@@ -121,7 +128,7 @@ def serve(
 
     opts = ServeOptions(model, host, port, device, dtype, kernels, max_num_seqs, max_model_len,
                         max_num_batched_tokens, gpu_memory_utilization, api_key, served_model_name,
-                        tp, ep)
+                        tp, ep, attention_backend)
     try:
         run_server(opts, say=lambda line: console.print(line, highlight=False, markup=False,
                                                         soft_wrap=True))

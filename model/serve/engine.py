@@ -47,6 +47,7 @@ class EngineConfig:
     seed: int = 0
     tp: int = 1  # tensor-parallel ranks (model/serve/tp_worker.py starts them)
     ep: int = 1  # expert parallelism: 1 (experts split by TP) or tp (experts split across ranks)
+    attention_backend: str = "auto"  # auto | torch | flashinfer (model/serve/flashinfer_attention)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -54,6 +55,9 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
+        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+            raise ValueError(f"attention_backend {self.attention_backend!r} is not one of "
+                             "auto, torch, flashinfer")
         if self.ep not in (1, self.tp):
             raise ValueError(f"ep={self.ep} must be 1 (experts split by TP) or equal to "
                              f"tp={self.tp} (experts split across the ranks)")
@@ -115,7 +119,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.cache)
         self.runner = ModelRunner(self.model, self.cache, max_num_seqs=config.max_num_seqs,
-                                  max_model_len=self.max_model_len, cuda_graphs=config.cuda_graphs)
+                                  max_model_len=self.max_model_len, cuda_graphs=config.cuda_graphs,
+                                  attention_backend=config.attention_backend)
         self.sampler = Sampler()
         eos = self.model_config.eos_token_id
         self.stop_token_ids = frozenset(

@@ -4,6 +4,8 @@ A step mixes single-token decodes and prefill chunks of any length. Tokens are l
 first (batched attention over padded page tables where enabled), then each other chunk (attention
 per sequence through the `attention` op). Logits are computed only for the last token of each
 chunk that samples. Decode-only steps replay a captured CUDA graph when `cuda_graphs` is on.
+Attention runs through `PagedAttention` (torch) or, on a GPU, `FlashInferAttention`
+(`attention_backend`: auto | torch | flashinfer), which `prepare` plans once per step.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Protocol
 import torch
 
 from ..beam import BeamForCausalLM
+from .flashinfer_attention import make_backend
 from .kv_cache import FULL, SWA, PagedKVCache
 from .paged_attention import DecodeMeta, PagedAttention, PagedBatch, SeqKeys
 
@@ -42,7 +45,7 @@ def _pad_rows(rows: Sequence[Sequence[int]], width: int) -> list[list[int]]:
 class ModelRunner:
     def __init__(self, model: BeamForCausalLM, cache: PagedKVCache, *, max_num_seqs: int,
                  max_model_len: int, cuda_graphs: bool = False,
-                 batched_decode: bool | None = None) -> None:
+                 batched_decode: bool | None = None, attention_backend: str = "auto") -> None:
         self.model = model
         self.cache = cache
         self.device = model.device
@@ -57,7 +60,13 @@ class ModelRunner:
             # values changes nothing and spares a host-to-device copy inside every step (and
             # inside CUDA-graph capture, where it is not allowed).
             model.inv_freq = model.inv_freq.to(self.device)
-        model.attention_backend = PagedAttention(cache, lambda: self.model.ops)
+        # torch (PagedAttention) or FlashInfer (GPU); `auto` never imports FlashInfer off the GPU.
+        backend, note = make_backend(attention_backend, cache, lambda: self.model.ops,
+                                     num_qo_heads=model.shard.num_attention_heads,
+                                     max_model_len=max_model_len)
+        self.attention_backend = "torch" if isinstance(backend, PagedAttention) else "flashinfer"
+        self.notes.append(note)
+        model.attention_backend = backend
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
             from .graphs import DecodeGraphs
@@ -101,6 +110,9 @@ class ModelRunner:
             meta = DecodeMeta(_long(ft, dev), _long(st, dev), _long(base, dev))
         batch = PagedBatch(_long(pos, dev), bounds, _long(full_w, dev), _long(swa_w, dev),
                            num_decode, meta, keys)
+        plan = getattr(self.model.attention_backend, "plan_step", None)
+        if plan is not None:  # FlashInfer: page tables once per step, shared by every layer
+            plan(chunks, num_decode)
         return _long(ids, dev), batch.positions, batch, [b[1] - 1 for b in bounds]
 
     @staticmethod
