@@ -270,11 +270,17 @@ def _rank(args: OptimizeArgs, agent: Any, state: RunState, console: Console) -> 
     console.print(f"ops by gap: {listed}  (* skipped: the {agent.name} agent has nothing for it)")
 
 
-def _deadline(args: OptimizeArgs, start: float, k: int, n: int, workers: int) -> float:
+MIN_OP_S = 30.0  # every op gets at least this long from its start: one proposal, evaluated
+
+
+def _deadline(args: OptimizeArgs, start: float, k: int, n: int, workers: int,
+              now: float | None = None) -> float:
     """Op k of n (rank order) on `workers` workers: ops run in rounds, each round an equal share
-    of the budget, so a slow op cannot starve the ones after it."""
+    of the budget; an op starting late (the ones before it overran) still gets MIN_OP_S, so
+    every op is tried at least once and the run overshoots its budget by at most that."""
     rounds = -(-n // workers)
-    return start + args.budget_s * (k // workers + 1) / rounds
+    fair = start + args.budget_s * (k // workers + 1) / rounds
+    return fair if now is None else max(fair, now + MIN_OP_S)
 
 
 def _sessions(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState,
@@ -286,7 +292,7 @@ def _sessions(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState,
                   f"{', '.join(devices)}")
     if len(devices) == 1:
         for k, op in enumerate(ops):
-            deadline = _deadline(args, start, k, len(ops), 1)
+            deadline = _deadline(args, start, k, len(ops), 1, time.monotonic())
             _one_op(args, agent, ctx, state, op, devices[0], deadline, console)
         return
     # One process per GPU, each pinned with CUDA_VISIBLE_DEVICES before CUDA starts, so the

@@ -160,8 +160,9 @@ def tune_existing(ctx: RunContext, task: Any, name: str, proposal: Any,
                 f"run {ctx.run_dir.name})\n\nSame program as {name}; only its meta-parameters "
                 f"were tuned, per token bucket: {json.dumps(per_bucket, sort_keys=True)}.\n\n"
                 f"Result: verified; {speedup:.3f}x over {task.current_name} on {ctx.gpu}.\n")
-    return (f"same code as {op}/{name}: its tuned configs went to configs/{name}.json"
-            f"{locked}; no new variant")
+    # "registered <op>/<variant>": the run state counts it as this run's change to the set.
+    return (f"registered {op}/{name} tuned configs (the same program: configs/{name}.json"
+            f"{locked}; no new variant)")
 
 
 def append_notes(reg: Registry, op: str, name: str, proposal: Any, speedup: float,

@@ -11,7 +11,9 @@
 #   pip install --no-index --find-links wheels optuna
 # Knobs: LAYERS (default 4: three dense sliding-window layers and one full-attention MoE layer,
 # so every templated op runs), BUDGET (agent-session wall time, default 3m), TRIALS (Optuna
-# trials per token bucket, default 6), BACKEND (profiler: torch = CUPTI, fast; ncu = slower).
+# trials per token bucket, default 6), BACKEND (profiler: torch = CUPTI, fast; ncu = slower),
+# REGISTRY (a registry DIR instead of the repo's kernels/; FRESH=1 starts it empty, so every op's
+# baseline is the pure-PyTorch reference: the product's from-scratch path).
 # Writes under $OUT:
 #   runs/<time>-h200-tp8-decode/   report.md, plots/*.png, profile_before.json/.png,
 #                                  profile_after.json/.png, state.json, attempts.jsonl,
@@ -26,6 +28,8 @@ LAYERS=${LAYERS:-4}
 BUDGET=${BUDGET:-3m}
 TRIALS=${TRIALS:-6}
 BACKEND=${BACKEND:-torch}
+REGISTRY=${REGISTRY:-kernels}
+if [ "${FRESH:-0}" = 1 ]; then rm -rf "$REGISTRY"; mkdir -p "$REGISTRY"; fi
 mkdir -p "$OUT/runs"
 if ! python3 -c "import optuna" 2>/dev/null; then
     echo "optuna is not installed here: pip install --no-index --find-links <wheels> optuna" >&2
@@ -37,10 +41,11 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || tr
 start=$(date +%s)
 python3 -m autoopt.cli optimize --target h200-tp8-decode --agent template --layers "$LAYERS" --batch 1 \
     --budget "$BUDGET" --trials "$TRIALS" --max-candidates 2 --verify-seeds 2 --bench-iters 30 \
-    --profile-backend "$BACKEND" --auto-accept --runs-dir "$OUT/runs" ${OPS:+--ops "$OPS"} 2>&1 | tee "$OUT/optimize.log"
+    --profile-backend "$BACKEND" --auto-accept --runs-dir "$OUT/runs" --registry "$REGISTRY" \
+    ${OPS:+--ops "$OPS"} 2>&1 | tee "$OUT/optimize.log"
 echo "optimize took $(( $(date +%s) - start )) s"
 
-cp -r kernels "$OUT/kernels"
+cp -r "$REGISTRY" "$OUT/kernels"
 run_dir=$(ls -d "$OUT"/runs/*-h200-tp8-decode | tail -1)
 echo "report: $run_dir/report.md"
 echo "registry after the run: $OUT/kernels (copy over kernels/ and commit)"

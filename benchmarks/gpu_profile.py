@@ -61,6 +61,11 @@ def agreement(p: Profile) -> dict:
         "events_step_us": p.step_us, "graph_step_us": p.graph_step_us,
         "ncu_over_cupti": c.get("ncu_vs_torch_profiler_kernel_time"),
         "kernels_over_events": c.get("kernel_time_vs_step"),
+        # ncu replays each kernel alone (serialized, after its save/restore): a fixed cost per
+        # kernel shows as this offset, which dominates a step of thousands of ~2 us kernels.
+        "per_kernel_offset_us": ((c["ncu_kernel_us"] - c["torch_profiler_kernel_us"])
+                                 / c["ncu_kernels"]) if c.get("ncu_kernels") and
+        c.get("ncu_kernel_us") and c.get("torch_profiler_kernel_us") else None,
         "explanation": ("kernel times (ncu vs CUPTI) should agree within 10%; the eager step's "
                         "CUDA-event time exceeds its kernel time by the launch overhead / idle "
                         "line (the reference MoE syncs with the host once per touched expert)"),

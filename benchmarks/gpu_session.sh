@@ -70,6 +70,22 @@ case $phase in
     ) &
     wait
     ;;
+  s2c)  # session 2, call 3: from-scratch optimize on GPU 1; kernels re-measured on GPU 0
+    ( export CUDA_VISIBLE_DEVICES=1 AUTOOPT_CACHE=$R/cache-opt
+      run optimize 520 env OUT="$R/optimize" BUDGET=380s TRIALS=6 FRESH=1 \
+        REGISTRY=/tmp/fresh-registry bash benchmarks/gpu_optimize.sh
+    ) &
+    ( export CUDA_VISIBLE_DEVICES=0 AUTOOPT_CACHE=$R/cache-kernels
+      run kernels-a 170 python3 benchmarks/gpu_kernels.py --out "$R/kernels" --variants triton_v1 \
+        --ops rmsnorm,norm_residual_norm,attn_output_gate
+      run kernels-b 170 python3 benchmarks/gpu_kernels.py --out "$R/kernels-b" --variants triton_v1 \
+        --ops swiglu,logit_softcap,allreduce_norm_residual_norm
+      export FLASHINFER_WORKSPACE_BASE=/tmp/fi-cache
+      run fi-diag 100 python3 benchmarks/flashinfer_engine_diag.py --out "$R/fi-diag"
+      run fi-tests 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_serve_flashinfer.py
+    ) &
+    wait
+    ;;
   s2b)  # session 2, call 2 (2 GPUs): TP2 over NCCL, then FlashInfer and the GPU tests
     run tp 170 python3 benchmarks/tp_bench.py --out "$R/tp" --timeout 150 \
       --fused kernels/allreduce_norm_residual_norm/triton_v1.py

@@ -187,3 +187,16 @@ def test_unknown_ops_fail_before_any_work(tmp_path):
         loop.optimize(OptimizeArgs(target="cpu-tiny", agent="template", ops=("softmax",),
                                    runs_dir=str(tmp_path / "runs")))
     assert not (tmp_path / "runs").exists()
+
+
+def test_deadlines_share_the_budget_and_never_starve_a_late_op():
+    from autoopt.loop import MIN_OP_S, OptimizeArgs, _deadline
+
+    args = OptimizeArgs(target="cpu-tiny", budget_s=700.0)
+    # 7 ops, one worker: op k's fair end is start + 100 (k + 1).
+    assert [_deadline(args, 0.0, k, 7, 1) for k in range(7)] == [100.0 * (k + 1) for k in range(7)]
+    # Two workers: rounds of two ops share each 175 s slice.
+    assert [_deadline(args, 0.0, k, 7, 2) for k in range(4)] == [175.0, 175.0, 350.0, 350.0]
+    # An op that starts after its fair end (earlier ops overran) still gets MIN_OP_S.
+    assert _deadline(args, 0.0, 2, 7, 1, now=250.0) == 300.0
+    assert _deadline(args, 0.0, 2, 7, 1, now=310.0) == 310.0 + MIN_OP_S

@@ -86,7 +86,7 @@ def test_same_program_with_a_tuned_config_goes_to_the_existing_variant(tmp_path)
     before = set(reg.variants("swiglu"))
     twin = src.replace('"""', '"""Rendered again with another header. ', 1)
     out = _register(tmp_path, "swiglu", twin, arch="sm_90", auto_accept=True, hint="again")
-    assert out.startswith("same code as swiglu/claude_tiles_v1: its tuned configs went to")
+    assert out.startswith("registered swiglu/claude_tiles_v1 tuned configs (the same program")
     assert "locked for sm_90" in out
     assert set(reg.variants("swiglu")) == before
     assert reg.read_configs("swiglu", "claude_tiles_v1") == {"NVIDIA H200": {"T=1": {"ROWS": 2}}}
