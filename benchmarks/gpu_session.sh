@@ -71,8 +71,10 @@ case $phase in
     wait
     ;;
   s2c)  # session 2, call 3: from-scratch optimize on GPU 1; kernels re-measured on GPU 0
+    run tp-tests 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_parallel.py \
+      tests/test_serve_tp.py
     ( export CUDA_VISIBLE_DEVICES=1 AUTOOPT_CACHE=$R/cache-opt
-      run optimize 520 env OUT="$R/optimize" BUDGET=380s TRIALS=6 FRESH=1 \
+      run optimize 490 env OUT="$R/optimize" BUDGET=350s TRIALS=6 FRESH=1 \
         REGISTRY=/tmp/fresh-registry bash benchmarks/gpu_optimize.sh
     ) &
     ( export CUDA_VISIBLE_DEVICES=0 AUTOOPT_CACHE=$R/cache-kernels
