@@ -88,6 +88,23 @@ case $phase in
     ) &
     wait
     ;;
+  s2d)  # session 2, call 4: resume the from-scratch run (registry rebuilt from its evidence),
+        # time the fused TP boundary for its record, re-run the FlashInfer engine test
+    run_dir=/tmp/res-s2c/optimize/runs/20261130-085956-h200-tp8-decode
+    mkdir -p "$(dirname "$run_dir")" && cp -r .resume/run "$run_dir" && cp -r .resume/fresh-registry /tmp/fresh-registry
+    ( export CUDA_VISIBLE_DEVICES=1 AUTOOPT_CACHE=$R/cache-opt
+      run resume 270 python3 -m autoopt.cli optimize --resume "$run_dir"
+      cp -r "$run_dir" "$R/run"; cp -r /tmp/fresh-registry "$R/fresh-registry"
+    ) &
+    ( export CUDA_VISIBLE_DEVICES=0 AUTOOPT_CACHE=$R/cache-kernels
+      run kernels-arn 200 python3 benchmarks/gpu_kernels.py --out "$R/kernels" --variants triton_v1 \
+        --ops allreduce_norm_residual_norm
+      export FLASHINFER_WORKSPACE_BASE=/tmp/fi-cache
+      run fi-tests 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_serve_flashinfer.py \
+        -k near_ties
+    ) &
+    wait
+    ;;
   s2b)  # session 2, call 2 (2 GPUs): TP2 over NCCL, then FlashInfer and the GPU tests
     run tp 170 python3 benchmarks/tp_bench.py --out "$R/tp" --timeout 150 \
       --fused kernels/allreduce_norm_residual_norm/triton_v1.py

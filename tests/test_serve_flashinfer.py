@@ -296,8 +296,11 @@ def test_gpu_greedy_generation_diverges_only_at_near_ties(demo128: Path) -> None
     sequence then diverges for good. So the rule is about the first difference of each sequence:
     both backends must rank the two tokens there within NEAR_TIE nats of each other (a broken
     backend picks different tokens with clear margins from the first step on)."""
-    near_tie = 0.15  # nats: ~4x the logit error of BF16 attention numerics on this model
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=4)
+    # nats: the random model's next-token distribution is nearly flat (top logprobs around -5.8
+    # within 0.1 of each other, measured on the H200), and the two numerics move its logits by
+    # a few hundredths after 8 layers; a real fault moves them by whole units.
+    near_tie = 0.25
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=20)
     fi_eng = _gpu_engine(demo128, "flashinfer", graphs=False)
     assert fi_eng.runner.attention_backend == "flashinfer", fi_eng.runner.notes
     fi = fi_eng.generate(GPU_PROMPTS, params)
@@ -309,7 +312,8 @@ def test_gpu_greedy_generation_diverges_only_at_near_ties(demo128: Path) -> None
         for own, other in ((a, b), (b, a)):
             top = dict(own.logprobs[i].top)
             chosen, rival = own.token_ids[i], other.token_ids[i]
-            assert rival in top, (i, chosen, rival, top)  # the other's pick is in its top 4
+            # The other's pick is among this one's 20 best, within a near tie of its own pick.
+            assert rival in top, (i, chosen, rival, top)
             assert top[chosen] - top[rival] < near_tie, (i, chosen, rival, top)
     fi_eng.cache.check_no_leaks(set())
 
