@@ -288,34 +288,54 @@ GPU_PROMPTS = [[int(t) for t in torch.randint(8, 2048, (n,),
                for n in (1, 5, 17, 40, 23, 64)]
 
 
+def _attention_calls(eng: LLMEngine, prompts, steps: int) -> tuple[list, list]:
+    """(greedy tokens, [(q, out)] of every attention call in order) of a run of `eng`."""
+    backend, calls = eng.model.attention_backend, []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(backend, name)
+
+        def __call__(self, layer, q, k, v, window, scale, batch):
+            out = backend(layer, q, k, v, window, scale, batch)
+            calls.append((q.float().cpu(), out.float().cpu()))
+            return out
+
+    eng.model.attention_backend = Spy()
+    try:
+        params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
+        return [r.token_ids for r in eng.generate(prompts, params)], calls
+    finally:
+        eng.model.attention_backend = backend
+
+
 @pytest.mark.gpu
 @gpu_only
-def test_gpu_greedy_generation_diverges_only_at_near_ties(demo128: Path) -> None:
-    """Free-running greedy decoding of a random BF16 model flips at near ties under any change of
-    numerics (on the H200 even the torch GPU path and the CPU path part within 24 tokens), and a
-    sequence then diverges for good. So the rule is about the first difference of each sequence:
-    both backends must rank the two tokens there within NEAR_TIE nats of each other (a broken
-    backend picks different tokens with clear margins from the first step on)."""
-    # nats: the random model's next-token distribution is nearly flat (top logprobs around -5.8
-    # within 0.1 of each other, measured on the H200), and the two numerics move its logits by
-    # a few hundredths after 8 layers; a real fault moves them by whole units.
-    near_tie = 0.25
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=20)
-    fi_eng = _gpu_engine(demo128, "flashinfer", graphs=False)
-    assert fi_eng.runner.attention_backend == "flashinfer", fi_eng.runner.notes
-    fi = fi_eng.generate(GPU_PROMPTS, params)
-    ref = _gpu_engine(demo128, "torch", False).generate(GPU_PROMPTS, params)
-    for a, b in zip(fi, ref):
-        i = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
-        if i is None:
-            continue
-        for own, other in ((a, b), (b, a)):
-            top = dict(own.logprobs[i].top)
-            chosen, rival = own.token_ids[i], other.token_ids[i]
-            # The other's pick is among this one's 20 best, within a near tie of its own pick.
-            assert rival in top, (i, chosen, rival, top)
-            assert top[chosen] - top[rival] < near_tie, (i, chosen, rival, top)
-    fi_eng.cache.check_no_leaks(set())
+def test_gpu_engine_attention_agrees_where_inputs_agree(demo128: Path) -> None:
+    """Inside the engine, every attention call whose queries are bitwise the torch backend's
+    (the first layer of each step, and more while nothing upstream moved) agrees within 2 BF16
+    ulp of its output's magnitude, and single sequences decode the same tokens.
+
+    Whole-run greedy equality is not the check: FlashInfer keeps FP32 probabilities where the
+    reference rounds them to BF16, and the MoE router's top-k turns a 1-ulp difference into other
+    experts (benchmarks/flashinfer_engine_diag.py on an H200: layer 0 differs by 0.0078 at
+    |out| ~1.8, a 40-token prompt's query by 0.99 at layer 5), so batched greedy runs of a random
+    MoE model part after a few tokens under any change of numerics."""
+    for prompts in (GPU_PROMPTS[:1], GPU_PROMPTS[1:2], GPU_PROMPTS):
+        fi_eng = _gpu_engine(demo128, "flashinfer", graphs=False)
+        assert fi_eng.runner.attention_backend == "flashinfer", fi_eng.runner.notes
+        fi_tokens, fi_calls = _attention_calls(fi_eng, prompts, 3)
+        ref_tokens, ref_calls = _attention_calls(_gpu_engine(demo128, "torch", False), prompts, 3)
+        assert len(fi_calls) == len(ref_calls)
+        same_q = [(f, r) for f, r in zip(fi_calls, ref_calls) if torch.equal(f[0], r[0])]
+        # Single sequences: the first layer of each of the 3 steps at least; a batch: the
+        # first step's (its greedy tokens may part after it).
+        assert len(same_q) >= (3 if len(prompts) == 1 else 1)
+        for (_, got), (_, want) in same_q:
+            ulp = 2.0 ** (torch.floor(torch.log2(want.abs().max())) - 7)  # BF16: 8-bit mantissa
+            assert float((got - want).abs().max()) <= 2 * ulp
+        if len(prompts) == 1:
+            assert fi_tokens == ref_tokens
 
 
 @pytest.mark.gpu
