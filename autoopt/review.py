@@ -94,8 +94,8 @@ def register_variant(ctx: RunContext, task: Any, path: Path, proposal: Any, sha:
         dst = reg.variant_path(op, name)
         dst.parent.mkdir(parents=True, exist_ok=True)
         dst.write_bytes(path.read_bytes())
-        per_bucket = {bucket(r["shape"]): r["config"] for r in rows if r.get("config")}
-        if per_bucket:
+        per_bucket = timed_configs(rows)
+        if any(per_bucket.values()):
             reg.write_configs(op, name, {ctx.gpu: per_bucket})
         accepted = ctx.auto_accept and ctx.meaningful
         status = "accepted" if accepted else "candidate"
@@ -124,6 +124,13 @@ def register_variant(ctx: RunContext, task: Any, path: Path, proposal: Any, sha:
     return f"registered {op}/{name} as {status}{locked}"
 
 
+def timed_configs(rows: Sequence[Mapping]) -> dict[str, dict]:
+    """{bucket: config} exactly as benchmarked: a bucket timed with the default config gets an
+    explicit {} entry, so the runtime's nearest-bucket lookup cannot hand it another bucket's
+    tuned config that was never timed there."""
+    return {bucket(r["shape"]): dict(r.get("config") or {}) for r in rows}
+
+
 def tune_existing(ctx: RunContext, task: Any, name: str, proposal: Any,
                   reports: Sequence[Mapping], rows: Sequence[Mapping], speedup: float) -> str:
     """A winner with `name`'s code: keep its tuned configs and evidence on `name` (caller locks)."""
@@ -131,8 +138,8 @@ def tune_existing(ctx: RunContext, task: Any, name: str, proposal: Any,
     if not ctx.meaningful:
         return (f"same code as registered {op}/{name}; CPU timings cannot judge its configs, "
                 "so nothing was written")
-    per_bucket = {bucket(r["shape"]): r["config"] for r in rows if r.get("config")}
-    if not per_bucket:
+    per_bucket = timed_configs(rows)
+    if not any(per_bucket.values()):
         return f"same code as registered {op}/{name} and no tuned config; not registered again"
     configs = reg.read_configs(op, name)
     configs[ctx.gpu] = per_bucket

@@ -32,6 +32,11 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+# Where the token count T sits in an op's first argument when it is not dim 0 (the tuned-config
+# buckets are keyed by T): the TP boundary's first argument is partials[R, T, H].
+TOKEN_DIM = {"allreduce_norm_residual_norm": 1}
+
+
 class KernelCall:
     """A variant's `run`, called with the tuned config of each call's token bucket on this GPU."""
 
@@ -57,7 +62,9 @@ class KernelCall:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         first = args[0] if args else None
-        tokens = int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 0
+        dim = TOKEN_DIM.get(self.op, 0)
+        tokens = int(first.shape[dim]) if isinstance(first, torch.Tensor) and first.dim() > dim \
+            else 0
         return self.run(*args, config=self.config_for(tokens), **kwargs)
 
     def __repr__(self) -> str:

@@ -291,3 +291,13 @@ def test_bad_bucket_names_are_refused(reg):
     path.write_text(json.dumps(["not", "a", "map"]))
     with pytest.raises(RegistryError, match="GPU name"):
         reg.read_configs("rmsnorm", "torch_v1")
+
+
+def test_token_bucket_of_the_tp_boundary_is_its_t_axis():
+    # allreduce_norm_residual_norm's first argument is partials[R, T, H]: the bucket is T, not R.
+    call = KernelCall("allreduce_norm_residual_norm", "v", lambda *a, config=None: config,
+                      {"T=1": {"A": 1}, "T=128": {"A": 128}}, None, "test")
+    assert call(torch.zeros(8, 128, 4)) == {"A": 128}  # R = 8 would pick T=1
+    rms = KernelCall("rmsnorm", "v", lambda *a, config=None: config,
+                     {"T=1": {"A": 1}, "T=128": {"A": 128}}, None, "test")
+    assert rms(torch.zeros(8, 128)) == {"A": 1}

@@ -14,7 +14,7 @@ from autoopt.agents.base import OptimizationTask
 from autoopt.agents.template import CATALOG
 from autoopt.cli import app
 from autoopt.loop_eval import RunContext
-from autoopt.review import code_key, register_variant
+from autoopt.review import code_key, register_variant, timed_configs
 from autoopt.targets import load_target
 from model.registry import Registry, RegistryError
 
@@ -65,6 +65,13 @@ def test_registration_writes_new_immutable_files_and_dedupes(tmp_path):
     v2 = _register(tmp_path, "swiglu", src + "\nV2 = 2\n")
     assert v2.endswith("claude_tiles_v2 as candidate")
     assert not reg.lock_path.exists()
+
+
+def test_configs_are_stored_as_timed_default_buckets_included():
+    # A bucket benchmarked with the default config is stored as {} so that the runtime's
+    # nearest-bucket lookup cannot give it another bucket's config it was never timed with.
+    rows = [{"shape": {"T": 1}, "config": {"ROWS": 2}}, {"shape": {"T": 64}, "config": None}]
+    assert timed_configs(rows) == {"T=1": {"ROWS": 2}, "T=64": {}}
 
 
 def test_code_key_ignores_comments_and_docstrings_only():
