@@ -161,12 +161,11 @@ def tune_existing(ctx: RunContext, task: Any, name: str, proposal: Any,
         locked = f", accepted and locked for {ctx.arch}"
     else:
         reg.write_record(op, name, rec)
-    notes = reg.root / op / "NOTES.md"
-    with notes.open("a") as f:
-        f.write(f"\n## {name}: tuned configs ({now_iso()}, agent {proposal.meta.get('agent')}, "
-                f"run {ctx.run_dir.name})\n\nSame program as {name}; only its meta-parameters "
-                f"were tuned, per token bucket: {json.dumps(per_bucket, sort_keys=True)}.\n\n"
-                f"Result: verified; {speedup:.3f}x over {task.current_name} on {ctx.gpu}.\n")
+    _append_note(reg, op, f"\n## {name}: tuned configs ({now_iso()}, agent "
+                 f"{proposal.meta.get('agent')}, run {ctx.run_dir.name})\n\nSame program as "
+                 f"{name}; only its meta-parameters were tuned, per token bucket: "
+                 f"{json.dumps(per_bucket, sort_keys=True)}.\n\nResult: verified; "
+                 f"{speedup:.3f}x over {task.current_name} on {ctx.gpu}.\n")
     # "registered <op>/<variant>": the run state counts it as this run's change to the set.
     return (f"registered {op}/{name} tuned configs (the same program: configs/{name}.json"
             f"{locked}; no new variant)")
@@ -174,7 +173,6 @@ def tune_existing(ctx: RunContext, task: Any, name: str, proposal: Any,
 
 def append_notes(reg: Registry, op: str, name: str, proposal: Any, speedup: float,
                  ctx: RunContext, baseline: str) -> None:
-    notes = reg.root / op / "NOTES.md"
     hypothesis = proposal.notes.strip() or "(the agent gave no hypothesis)"
     if ctx.meaningful:
         result = (f"verified; {speedup:.3f}x over {baseline} "
@@ -184,6 +182,11 @@ def append_notes(reg: Registry, op: str, name: str, proposal: Any, speedup: floa
     entry = (f"\n## {name} ({now_iso()}, agent {proposal.meta.get('agent')}, run "
              f"{ctx.run_dir.name})\n\n{hypothesis}\n\nResult: {result}. Target {ctx.target.name}"
              f"{'; ' + ctx.proxy_note if ctx.proxy_note else ''}.\n")
+    _append_note(reg, op, entry)
+
+
+def _append_note(reg: Registry, op: str, entry: str) -> None:
+    notes = reg.root / op / "NOTES.md"
     if not notes.exists():
         notes.write_text(f"# {op}: notes per variant (hypothesis -> prediction -> result)\n")
     with notes.open("a") as f:

@@ -34,10 +34,11 @@ def _prompt(n: int) -> list[int]:  # as tests/test_serve_flashinfer.py makes the
 PROMPTS = [_prompt(n) for n in (1, 5, 17, 40)]
 
 
-def engine(path: Path, backend: str) -> LLMEngine:
+def engine(path: Path, backend: str, graphs: bool = False) -> LLMEngine:
+    """A small BF16 GPU engine, reference kernels (tests/test_serve_flashinfer.py uses it too)."""
     return LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="bfloat16",
                                   kernels="reference", max_num_seqs=8, max_model_len=160,
-                                  max_num_batched_tokens=64, cuda_graphs=False,
+                                  max_num_batched_tokens=64, cuda_graphs=graphs,
                                   kv_cache_bytes=256 * 2**20, attention_backend=backend))
 
 
@@ -59,10 +60,11 @@ def recorded(eng: LLMEngine, prompts, steps: int) -> tuple[list, list]:
             return out
 
     eng.model.attention_backend = Spy()
-    params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
-    toks = [r.token_ids for r in eng.generate(prompts, params)]
-    eng.model.attention_backend = backend
-    return toks, calls
+    try:
+        params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
+        return [r.token_ids for r in eng.generate(prompts, params)], calls
+    finally:
+        eng.model.attention_backend = backend
 
 
 def main() -> None:

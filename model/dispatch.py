@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .ops import contract
+
 if TYPE_CHECKING:
     from .registry import LockEntry, Registry
 
@@ -32,17 +34,13 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-# Where the token count T sits in an op's first argument when it is not dim 0 (the tuned-config
-# buckets are keyed by T): the TP boundary's first argument is partials[R, T, H].
-TOKEN_DIM = {"allreduce_norm_residual_norm": 1}
-
-
 class KernelCall:
     """A variant's `run`, called with the tuned config of each call's token bucket on this GPU."""
 
     def __init__(self, op: str, variant: str, run: Callable[..., Any],
                  buckets: Mapping[str, dict] | None, default: dict | None, source: str) -> None:
         self.op, self.variant, self.run, self.source = op, variant, run, source
+        self.token_dim = contract(op).token_dim  # buckets are keyed by T, wherever it sits
         self.default = dict(default) if default is not None else None
         self.buckets = sorted((int(BUCKET.match(k).group(1)), dict(v))
                               for k, v in (buckets or {}).items() if BUCKET.match(k))
@@ -62,7 +60,7 @@ class KernelCall:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         first = args[0] if args else None
-        dim = TOKEN_DIM.get(self.op, 0)
+        dim = self.token_dim
         tokens = int(first.shape[dim]) if isinstance(first, torch.Tensor) and first.dim() > dim \
             else 0
         return self.run(*args, config=self.config_for(tokens), **kwargs)

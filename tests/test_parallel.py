@@ -14,10 +14,12 @@ import pytest
 import torch
 
 from model.demo import write_demo_checkpoint
-from model.ops import CONTRACTS, norm_residual_norm
 from model.ops import allreduce_norm_residual_norm as arn
+from model.ops import norm_residual_norm
 from model.parallel import TPError, TPGroup, attach, launch
 from model.weights import load_model
+
+from .test_kernels_triton_v1 import check_policy
 
 PROMPTS = torch.tensor([[7, 100, 200, 300, 1500, 2047, 9], [7, 5, 1024, 1023, 2000, 42, 11]])
 NEW_TOKENS = 8
@@ -137,23 +139,12 @@ def _check_boundaries(ranks: list[dict], tp: int) -> None:
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
         # The fused kernel on the gathered partials: within the op's policy on CPU (its norms
         # sum in torch's CUDA order, the CPU reference in the CPU order); bitwise on GPUs.
-        numerics = CONTRACTS[arn.NAME].numerics
-        for g, w in zip(rank["boundary"]["gather+fused"], want, strict=True):
-            d = _ulps(g, w)
-            assert int(d.max()) <= numerics.max_ulp
-            assert float((d > 0).float().mean()) <= numerics.max_mismatch_fraction
+        check_policy(arn.NAME, tuple(rank["boundary"]["gather+fused"]), tuple(want))
     if tp == 2:
         # One BF16 add of two partials rounds like the FP32 sum: the backend's all-reduce
         # (gloo here, NCCL in the GPU test) matches bitwise.
         got = ranks[0]["boundary"]["allreduce"]
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
-
-
-def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    def line(x):
-        i = x.contiguous().view(torch.int16).to(torch.int32)
-        return torch.where(i < 0, -(i & 0x7FFF), i)
-    return (line(a) - line(b)).abs()
 
 
 def _count_boundary_calls(model, prompt: torch.Tensor) -> dict[str, int]:

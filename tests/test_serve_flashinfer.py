@@ -27,11 +27,18 @@ from model.serve.engine import EngineConfig, LLMEngine, SamplingParams
 from model.serve.graphs import DecodeGraphs
 
 REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("flashinfer_check",
-                                               REPO / "benchmarks" / "flashinfer_check.py")
-check = importlib.util.module_from_spec(_spec)
-sys.modules["flashinfer_check"] = check  # dataclasses look their module up
-_spec.loader.exec_module(check)
+
+
+def _benchmark_module(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+check = _benchmark_module("flashinfer_check")
+diag = _benchmark_module("flashinfer_engine_diag")  # its engine and attention recorder
 
 
 # ---- a stand-in for FlashInfer's paged wrappers (their semantics, in torch) ----------------------
@@ -276,37 +283,9 @@ def demo128(tmp_path_factory) -> Path:
     return write_demo_checkpoint(tmp_path_factory.mktemp("demo128"), config=cfg, seed=6)
 
 
-def _gpu_engine(path: Path, backend: str, graphs: bool) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="bfloat16",
-                                  kernels="reference", max_num_seqs=8, max_model_len=160,
-                                  max_num_batched_tokens=64, cuda_graphs=graphs,
-                                  kv_cache_bytes=256 * 2**20, attention_backend=backend))
-
-
 GPU_PROMPTS = [[int(t) for t in torch.randint(8, 2048, (n,),
                                               generator=torch.Generator().manual_seed(8))]
                for n in (1, 5, 17, 40, 23, 64)]
-
-
-def _attention_calls(eng: LLMEngine, prompts, steps: int) -> tuple[list, list]:
-    """(greedy tokens, [(q, out)] of every attention call in order) of a run of `eng`."""
-    backend, calls = eng.model.attention_backend, []
-
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(backend, name)
-
-        def __call__(self, layer, q, k, v, window, scale, batch):
-            out = backend(layer, q, k, v, window, scale, batch)
-            calls.append((q.float().cpu(), out.float().cpu()))
-            return out
-
-    eng.model.attention_backend = Spy()
-    try:
-        params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
-        return [r.token_ids for r in eng.generate(prompts, params)], calls
-    finally:
-        eng.model.attention_backend = backend
 
 
 @pytest.mark.gpu
@@ -322,12 +301,13 @@ def test_gpu_engine_attention_agrees_where_inputs_agree(demo128: Path) -> None:
     |out| ~1.8, a 40-token prompt's query by 0.99 at layer 5), so batched greedy runs of a random
     MoE model part after a few tokens under any change of numerics."""
     for prompts in (GPU_PROMPTS[:1], GPU_PROMPTS[1:2], GPU_PROMPTS):
-        fi_eng = _gpu_engine(demo128, "flashinfer", graphs=False)
+        fi_eng = diag.engine(demo128, "flashinfer")
         assert fi_eng.runner.attention_backend == "flashinfer", fi_eng.runner.notes
-        fi_tokens, fi_calls = _attention_calls(fi_eng, prompts, 3)
-        ref_tokens, ref_calls = _attention_calls(_gpu_engine(demo128, "torch", False), prompts, 3)
+        fi_tokens, fi_calls = diag.recorded(fi_eng, prompts, 3)
+        ref_tokens, ref_calls = diag.recorded(diag.engine(demo128, "torch"), prompts, 3)
         assert len(fi_calls) == len(ref_calls)
-        same_q = [(f, r) for f, r in zip(fi_calls, ref_calls) if torch.equal(f[0], r[0])]
+        # Each call: (layer, pool, decodes, bounds, q, out).
+        same_q = [(f[4:], r[4:]) for f, r in zip(fi_calls, ref_calls) if torch.equal(f[4], r[4])]
         # Single sequences: the first layer of each of the 3 steps at least; a batch: the
         # first step's (its greedy tokens may part after it).
         assert len(same_q) >= (3 if len(prompts) == 1 else 1)
@@ -341,7 +321,7 @@ def test_gpu_engine_attention_agrees_where_inputs_agree(demo128: Path) -> None:
 @pytest.mark.gpu
 @gpu_only
 def test_gpu_graph_decode_equals_eager(demo128: Path) -> None:
-    eng = _gpu_engine(demo128, "flashinfer", graphs=True)
+    eng = diag.engine(demo128, "flashinfer", graphs=True)
     assert eng.runner.graphs is not None, eng.runner.notes
     assert eng.runner.attention_backend == "flashinfer"
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

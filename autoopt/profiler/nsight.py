@@ -131,14 +131,20 @@ def read_with_ncu_report(report: Path, ncu: str) -> list[KernelRecord]:
     return records
 
 
+def _child_env() -> dict[str, str]:
+    """This environment with the repo first on PYTHONPATH (children import autoopt from it)."""
+    child_env = dict(os.environ)
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        [str(env.REPO_ROOT)] + ([child_env["PYTHONPATH"]] if child_env.get("PYTHONPATH") else []))
+    return child_env
+
+
 def read_in_child(report: Path, ncu: str, timeout_s: float = 600.0) -> list[KernelRecord]:
     """`read_with_ncu_report` in a child process: the ncu_report module is a native extension
     that has crashed a host process (a segfault inside pytest); a crash here is an error the
     caller can fall back from."""
     cmd = [sys.executable, "-m", "autoopt.profiler.nsight", "--read", str(report), "--ncu", ncu]
-    child_env = dict(os.environ)
-    child_env["PYTHONPATH"] = os.pathsep.join(
-        [str(env.REPO_ROOT)] + ([child_env["PYTHONPATH"]] if child_env.get("PYTHONPATH") else []))
+    child_env = _child_env()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=child_env)
     if proc.returncode:
         raise NcuError(f"the ncu_report reader exited {proc.returncode}: {proc.stderr[-800:]}")
@@ -217,9 +223,7 @@ def run_ncu(target: str, batch: int, layers: int, context: int, kernels: str = "
            "--cache-control", "none", "--metrics", ",".join(METRICS), "--target-processes", "all",
            "-f", "-o", str(base)] + workload_command(target, batch, layers, context, kernels, seed,
                                                          registry)
-    child_env = dict(os.environ)
-    child_env["PYTHONPATH"] = os.pathsep.join(
-        [str(env.REPO_ROOT)] + ([child_env["PYTHONPATH"]] if child_env.get("PYTHONPATH") else []))
+    child_env = _child_env()
     start = time.perf_counter()
     # Its own session, so a timeout ends ncu and the profiled child (which holds the model's
     # GPU memory) together.

@@ -8,6 +8,7 @@ and the agents all read the same module, so there is exactly one reference per o
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -62,6 +63,14 @@ class OpContract:
     signature: str
     shapes_for: Callable[..., dict[str, int]]
     module: ModuleType
+
+    @property
+    def token_dim(self) -> int:
+        """Where T sits in the first argument's shape, read from SIGNATURE (`x[T,H]` -> 0,
+        `partials[R,T,H]` -> 1): tuned configs are bucketed by T."""
+        m = re.search(r"\[([^\]]*)\]", self.signature)
+        dims = [d.strip() for d in m.group(1).split(",")] if m else []
+        return dims.index("T") if "T" in dims else 0
 
     @classmethod
     def from_module(cls, module: ModuleType) -> OpContract:

@@ -284,13 +284,13 @@ class FlashInferAttention:
 
 def make_backend(name: str, cache: PagedKVCache, ops: Callable[[], object], *,
                  num_qo_heads: int, max_model_len: int):
-    """(backend, note) for ModelRunner: the `--attention-backend` choice, resolved."""
+    """(backend, its name, note) for ModelRunner: the `--attention-backend` choice, resolved."""
     from .paged_attention import PagedAttention
 
     lay = cache.layout
     chosen, why = resolve_backend(name, cache.device, lay.head_dim, lay.dtype)
     note = f"attention backend: {chosen} ({why})"
     if chosen == "torch":
-        return PagedAttention(cache, ops), note
+        return PagedAttention(cache, ops), chosen, note
     return FlashInferAttention(cache, ops, num_qo_heads=num_qo_heads,
-                               max_model_len=max_model_len), note
+                               max_model_len=max_model_len), chosen, note

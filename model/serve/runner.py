@@ -19,7 +19,7 @@ import torch
 from ..beam import BeamForCausalLM
 from .flashinfer_attention import make_backend
 from .kv_cache import FULL, SWA, PagedKVCache
-from .paged_attention import DecodeMeta, PagedAttention, PagedBatch, SeqKeys
+from .paged_attention import DecodeMeta, PagedBatch, SeqKeys
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +61,9 @@ class ModelRunner:
             # inside CUDA-graph capture, where it is not allowed).
             model.inv_freq = model.inv_freq.to(self.device)
         # torch (PagedAttention) or FlashInfer (GPU); `auto` never imports FlashInfer off the GPU.
-        backend, note = make_backend(attention_backend, cache, lambda: self.model.ops,
-                                     num_qo_heads=model.shard.num_attention_heads,
-                                     max_model_len=max_model_len)
-        self.attention_backend = "torch" if isinstance(backend, PagedAttention) else "flashinfer"
+        backend, self.attention_backend, note = make_backend(
+            attention_backend, cache, lambda: self.model.ops,
+            num_qo_heads=model.shard.num_attention_heads, max_model_len=max_model_len)
         self.notes.append(note)
         model.attention_backend = backend
         self.graphs = None
