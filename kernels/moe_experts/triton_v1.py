@@ -145,17 +145,17 @@ def _store_scaled(out_ptr, y, scale, hmask, ON_GPU: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_swiglu_tile(x_ptr, w_ptr, act_ptr, pairs, pmask, n0, H, I, stride_x, stride_wn,
+def _gate_up_swiglu_tile(x_ptr, w_ptr, act_ptr, pairs, pmask, n0, H, N_INTER, stride_x, stride_wn,
                          stride_act, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                          MMA: tl.constexpr, STAGES: tl.constexpr, ON_GPU: tl.constexpr):
     # act[pairs, n0:n0+BLOCK_N] = swiglu(gate, up) of one expert (w_ptr at its gate_up[e]).
     rk = tl.arange(0, BLOCK_K)
     rn = n0 + tl.arange(0, BLOCK_N)
-    nmask = rn < I
+    nmask = rn < N_INTER
     x_rows = x_ptr + (pairs // K_TOP).to(tl.int64)[:, None] * stride_x + rk[None, :]
     wg_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
-    wu_rows = wg_rows + I * stride_wn
+    wu_rows = wg_rows + N_INTER * stride_wn
     if MMA:
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -191,7 +191,7 @@ def _gate_up_swiglu_tile(x_ptr, w_ptr, act_ptr, pairs, pmask, n0, H, I, stride_x
 
 @triton.jit
 def _moe_experts_gate_up_decode_kernel(
-    x_ptr, ids_ptr, w_ptr, act_ptr, P, E, offset, H, I, stride_x, stride_we, stride_wn,
+    x_ptr, ids_ptr, w_ptr, act_ptr, P, E, offset, H, N_INTER, stride_x, stride_we, stride_wn,
     stride_act, K_TOP: tl.constexpr, P2: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, MMA: tl.constexpr,
     STAGES: tl.constexpr, ON_GPU: tl.constexpr,
@@ -212,13 +212,13 @@ def _moe_experts_gate_up_decode_kernel(
             pick = same[None, :] & (rank[None, :] == (m0 + rm)[:, None])
             pairs = tl.sum(tl.where(pick, q[None, :], 0), axis=1)
             _gate_up_swiglu_tile(x_ptr, w_ptr + e.to(tl.int64) * stride_we, act_ptr, pairs,
-                                 m0 + rm < count, n0, H, I, stride_x, stride_wn, stride_act,
+                                 m0 + rm < count, n0, H, N_INTER, stride_x, stride_wn, stride_act,
                                  K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, MMA, STAGES, ON_GPU)
 
 
 @triton.jit
 def _moe_experts_down_combine_kernel(
-    act_ptr, w_ptr, weights_ptr, ids_ptr, out_ptr, E, offset, H, I, scale, stride_act,
+    act_ptr, w_ptr, weights_ptr, ids_ptr, out_ptr, E, offset, H, N_INTER, scale, stride_act,
     stride_we, stride_wh, stride_out, K_TOP: tl.constexpr, K2: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, EVEN_I: tl.constexpr, STAGES: tl.constexpr,
     ON_GPU: tl.constexpr,
@@ -237,11 +237,11 @@ def _moe_experts_down_combine_kernel(
         + rh.to(tl.int64)[None, :, None] * stride_wh + ri[None, None, :]
     a_rows = act_ptr + (t * K_TOP + js).to(tl.int64)[:, None] * stride_act + ri[None, :]
     acc = tl.zeros([K2, BLOCK_H, BLOCK_I], dtype=tl.float32)
-    for i0 in tl.range(0, I, BLOCK_I, num_stages=STAGES):
+    for i0 in tl.range(0, N_INTER, BLOCK_I, num_stages=STAGES):
         if EVEN_I:
             am = held[:, None]
         else:
-            am = held[:, None] & (i0 + ri < I)[None, :]
+            am = held[:, None] & (i0 + ri < N_INTER)[None, :]
         a = _bf16_to_f32(tl.load(a_rows + i0, mask=am, other=0.0))
         w = tl.load(w_rows + i0, mask=am[:, None, :] & hmask[None, :, None], other=0.0)
         acc += _bf16_to_f32(w) * a[:, None, :]  # exact products: FMA or not, the same sums
@@ -266,7 +266,7 @@ def _expert_tile(tile_end_ptr, counts_ptr, starts_ptr, tile, E, E2: tl.constexpr
 
 @triton.jit
 def _moe_experts_gate_up_grouped_kernel(
-    x_ptr, order_ptr, tile_end_ptr, counts_ptr, starts_ptr, w_ptr, act_ptr, E, H, I, stride_x,
+    x_ptr, order_ptr, tile_end_ptr, counts_ptr, starts_ptr, w_ptr, act_ptr, E, H, N_INTER, stride_x,
     stride_we, stride_wn, stride_act, K_TOP: tl.constexpr, E2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     STAGES: tl.constexpr, ON_GPU: tl.constexpr,
@@ -279,13 +279,13 @@ def _moe_experts_gate_up_grouped_kernel(
         pmask = rm < left
         pairs = tl.load(order_ptr + row0 + rm, mask=pmask, other=0)
         _gate_up_swiglu_tile(x_ptr, w_ptr + e.to(tl.int64) * stride_we, act_ptr, pairs, pmask,
-                             n0, H, I, stride_x, stride_wn, stride_act, K_TOP, BLOCK_M, BLOCK_N,
-                             BLOCK_K, EVEN_K, True, STAGES, ON_GPU)
+                             n0, H, N_INTER, stride_x, stride_wn, stride_act, K_TOP, BLOCK_M,
+                             BLOCK_N, BLOCK_K, EVEN_K, True, STAGES, ON_GPU)
 
 
 @triton.jit
 def _moe_experts_down_grouped_kernel(
-    act_ptr, order_ptr, tile_end_ptr, counts_ptr, starts_ptr, w_ptr, d_ptr, E, H, I,
+    act_ptr, order_ptr, tile_end_ptr, counts_ptr, starts_ptr, w_ptr, d_ptr, E, H, N_INTER,
     stride_act, stride_we, stride_wh, stride_d, E2: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, STAGES: tl.constexpr, ON_GPU: tl.constexpr,
 ):
@@ -302,8 +302,8 @@ def _moe_experts_down_grouped_kernel(
         w_rows = w_ptr + e.to(tl.int64) * stride_we + rh.to(tl.int64)[:, None] * stride_wh \
             + ri[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
-        for i0 in tl.range(0, I, BLOCK_I, num_stages=STAGES):
-            im = (i0 + ri < I)[None, :]
+        for i0 in tl.range(0, N_INTER, BLOCK_I, num_stages=STAGES):
+            im = (i0 + ri < N_INTER)[None, :]
             a = tl.load(a_rows + i0, mask=pmask[:, None] & im, other=0.0)
             w = tl.load(w_rows + i0, mask=hmask[:, None] & im, other=0.0)
             acc = _dot(a, w, acc, ON_GPU)
