@@ -38,7 +38,7 @@ LANGUAGE = "triton"
 CONFIG_SPACE = {
     "PATH": ["decode", "grouped"],
     "MMA": [True, False],  # decode kernel A: tl.dot (BLOCK_M >= 16) or multiply-reduce
-    "BLOCK_M": [1, 2, 4, 16, 32, 64],
+    "BLOCK_M": [1, 2, 4, 16, 32, 64, 128],
     "BLOCK_N": [4, 8, 16, 32, 64],
     "BLOCK_K": [64, 128, 256, 512, 1024],
     "A_WARPS": [2, 4, 8],
@@ -150,18 +150,19 @@ def _gate_up_swiglu_tile(x_ptr, w_ptr, act_ptr, pairs, pmask, n0, H, N_INTER, st
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                          MMA: tl.constexpr, STAGES: tl.constexpr, ON_GPU: tl.constexpr):
     # act[pairs, n0:n0+BLOCK_N] = swiglu(gate, up) of one expert (w_ptr at its gate_up[e]).
+    # One weight tile of 2*BLOCK_N rows: gate rows n0.. then the matching up rows I+n0.., so a
+    # single dot (N = 2*BLOCK_N >= 16) serves both halves.
     rk = tl.arange(0, BLOCK_K)
-    rn = n0 + tl.arange(0, BLOCK_N)
+    r2 = tl.arange(0, 2 * BLOCK_N)
+    rn = n0 + r2 % BLOCK_N
     nmask = rn < N_INTER
     x_rows = x_ptr + (pairs // K_TOP).to(tl.int64)[:, None] * stride_x + rk[None, :]
-    wg_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
-    wu_rows = wg_rows + N_INTER * stride_wn
+    w_rows = w_ptr + (rn + (r2 // BLOCK_N) * N_INTER).to(tl.int64)[:, None] * stride_wn \
+        + rk[None, :]
     if MMA:
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
     else:
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
         if EVEN_K:
             xm = pmask[:, None]
@@ -170,23 +171,20 @@ def _gate_up_swiglu_tile(x_ptr, w_ptr, act_ptr, pairs, pmask, n0, H, N_INTER, st
             xm = pmask[:, None] & (k0 + rk < H)[None, :]
             wm = nmask[:, None] & (k0 + rk < H)[None, :]
         xa = tl.load(x_rows + k0, mask=xm, other=0.0)
-        wg = tl.load(wg_rows + k0, mask=wm, other=0.0)
-        wu = tl.load(wu_rows + k0, mask=wm, other=0.0)
+        w = tl.load(w_rows + k0, mask=wm, other=0.0)
         if MMA:
-            acc_g = _dot(xa, wg, acc_g, ON_GPU)
-            acc_u = _dot(xa, wu, acc_u, ON_GPU)
+            acc = _dot(xa, w, acc, ON_GPU)
         else:  # bf16 x bf16 products are exact in FP32: an FMA here rounds like mul + add
-            xf = _bf16_to_f32(xa)[:, None, :]
-            acc_g += xf * _bf16_to_f32(wg)[None, :, :]
-            acc_u += xf * _bf16_to_f32(wu)[None, :, :]
+            acc += _bf16_to_f32(xa)[:, None, :] * _bf16_to_f32(w)[None, :, :]
     if not MMA:
-        acc_g = tl.sum(acc_g, axis=2)
-        acc_u = tl.sum(acc_u, axis=2)
-    g = _round(acc_g)
+        acc = tl.sum(acc, axis=2)
+    gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
+    g = _round(gate)
     silu = tl.div_rn(g, 1.0 + _exp(-g, ON_GPU))
-    a = _f32_to_bf16(silu * _round(acc_u))
+    a = _f32_to_bf16(silu * _round(up))
+    rn = n0 + tl.arange(0, BLOCK_N)
     dst = act_ptr + pairs.to(tl.int64)[:, None] * stride_act + rn[None, :]
-    tl.store(dst, a, mask=pmask[:, None] & nmask[None, :])
+    tl.store(dst, a, mask=pmask[:, None] & (rn < N_INTER)[None, :])
 
 
 @triton.jit
@@ -364,7 +362,8 @@ def _config(tokens: int, pairs: int, config: dict | None, on_gpu: bool) -> dict:
                                                            if k.endswith(("WARPS", "STAGES"))},
                "PATH": "grouped"}
     if cfg["PATH"] == "grouped" or cfg["MMA"]:
-        cfg["BLOCK_M"] = max(16, cfg["BLOCK_M"])  # tl.dot needs 16 rows
+        # tl.dot needs 16 rows and 16 columns (2 * BLOCK_N: gate and up)
+        cfg["BLOCK_M"], cfg["BLOCK_N"] = max(16, cfg["BLOCK_M"]), max(8, cfg["BLOCK_N"])
     return cfg
 
 
@@ -376,7 +375,7 @@ def moe_experts_decode(x, gate_up, down, weights, ids, scale, offset, out, cfg) 
     ids = ids.contiguous()
     _moe_experts_gate_up_decode_kernel[(p, triton.cdiv(i, cfg["BLOCK_N"]))](
         x, ids, gate_up, act, p, e, offset, h, i, x.stride(0), gate_up.stride(0),
-        gate_up.stride(1), act.stride(0), K_TOP=k, P2=_pow2(p), BLOCK_M=cfg["BLOCK_M"],
+        gate_up.stride(1), act.stride(0), K_TOP=k, P2=max(64, _pow2(p)), BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN_K=h % cfg["BLOCK_K"] == 0,
         MMA=bool(cfg["MMA"]), STAGES=cfg["A_STAGES"], ON_GPU=on_gpu, num_warps=cfg["A_WARPS"])
     block_i = min(cfg["BLOCK_I"], _pow2(i))
@@ -416,7 +415,7 @@ def moe_experts_grouped(x, gate_up, down, weights, ids, scale, offset, out, cfg)
     _moe_experts_gate_up_grouped_kernel[(triton.cdiv(i, cfg["BLOCK_N"]), tiles)](
         x, order, tile_end, counts, starts, gate_up, act, e, h, i, x.stride(0),
         gate_up.stride(0), gate_up.stride(1), act.stride(0), K_TOP=k, E2=_pow2(e), BLOCK_M=bm,
-        BLOCK_N=max(16, cfg["BLOCK_N"]), BLOCK_K=bk, EVEN_K=h % bk == 0,
+        BLOCK_N=max(8, cfg["BLOCK_N"]), BLOCK_K=bk, EVEN_K=h % bk == 0,
         STAGES=cfg["A_STAGES"], ON_GPU=on_gpu, num_warps=cfg["A_WARPS"])
     bh = max(16, cfg["BLOCK_H"])
     _moe_experts_down_grouped_kernel[(triton.cdiv(h, bh), tiles)](
