@@ -61,6 +61,8 @@ B_SWEEP = [
     {"BLOCK_H": 16, "BLOCK_I": 32, "B_WARPS": 4, "B_STAGES": 4},
     {"BLOCK_H": 32, "BLOCK_I": 64, "B_WARPS": 8, "B_STAGES": 3},
     {"BLOCK_H": 16, "BLOCK_I": 64, "B_WARPS": 8, "B_STAGES": 2},
+    {"BLOCK_H": 16, "BLOCK_I": 64, "B_WARPS": 4, "B_STAGES": 3, "PDL": True},
+    {"BLOCK_H": 8, "BLOCK_I": 64, "B_WARPS": 4, "B_STAGES": 3, "PDL": True},
 ]
 G_SWEEP = [
     {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64, "A_WARPS": 4, "A_STAGES": 4,

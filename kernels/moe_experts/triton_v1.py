@@ -34,6 +34,11 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+try:  # programmatic dependent launch (sm_90+); absent from older Tritons, never traced then
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
+
 LANGUAGE = "triton"
 CONFIG_SPACE = {
     "PATH": ["decode", "grouped"],
@@ -47,16 +52,20 @@ CONFIG_SPACE = {
     "BLOCK_I": [32, 64, 128],
     "B_WARPS": [2, 4, 8],
     "B_STAGES": [1, 2, 3, 4],
+    # Kernel B launched as a programmatic dependent of A: its CTAs start (ids, weights, pointers)
+    # while A drains and wait for A's act at griddepcontrol.wait. GPU only.
+    "PDL": [False, True],
 }
 # Unset keys follow the token bucket (BUCKET_DEFAULTS: the largest bucket <= T); the CPU
 # (interpreter) takes coarse tiles, since there every program is a Python loop.
 DEFAULT_CONFIG: dict = {}
 BUCKET_DEFAULTS = {
     1: {"PATH": "decode", "MMA": True, "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256,
-        "A_WARPS": 4, "A_STAGES": 4, "BLOCK_H": 16, "BLOCK_I": 64, "B_WARPS": 4, "B_STAGES": 3},
+        "A_WARPS": 4, "A_STAGES": 4, "BLOCK_H": 16, "BLOCK_I": 64, "B_WARPS": 4, "B_STAGES": 3,
+        "PDL": False},
     128: {"PATH": "grouped", "MMA": True, "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64,
           "A_WARPS": 4, "A_STAGES": 4, "BLOCK_H": 64, "BLOCK_I": 64, "B_WARPS": 4,
-          "B_STAGES": 3},
+          "B_STAGES": 3, "PDL": False},
 }
 CPU_TILES = {"BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_H": 128}
 DECODE_MAX_PAIRS = 1024  # the decode path scans all T*k ids per program
@@ -192,8 +201,10 @@ def _moe_experts_gate_up_decode_kernel(
     x_ptr, ids_ptr, w_ptr, act_ptr, P, E, offset, H, N_INTER, stride_x, stride_we, stride_wn,
     stride_act, K_TOP: tl.constexpr, P2: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, MMA: tl.constexpr,
-    STAGES: tl.constexpr, ON_GPU: tl.constexpr,
+    STAGES: tl.constexpr, ON_GPU: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_launch_dependents()  # kernel B may be scheduled as A's CTAs retire
     p = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     q = tl.arange(0, P2)
@@ -219,7 +230,7 @@ def _moe_experts_down_combine_kernel(
     act_ptr, w_ptr, weights_ptr, ids_ptr, out_ptr, E, offset, H, N_INTER, scale, stride_act,
     stride_we, stride_wh, stride_out, K_TOP: tl.constexpr, K2: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, EVEN_I: tl.constexpr, STAGES: tl.constexpr,
-    ON_GPU: tl.constexpr,
+    ON_GPU: tl.constexpr, PDL: tl.constexpr,
 ):
     # All k slots of one token at once: each chunk is one [K2, BLOCK_H, BLOCK_I] gather of the k
     # experts' down rows, so every slot's bytes are in flight together.
@@ -235,6 +246,8 @@ def _moe_experts_down_combine_kernel(
         + rh.to(tl.int64)[None, :, None] * stride_wh + ri[None, None, :]
     a_rows = act_ptr + (t * K_TOP + js).to(tl.int64)[:, None] * stride_act + ri[None, :]
     acc = tl.zeros([K2, BLOCK_H, BLOCK_I], dtype=tl.float32)
+    if PDL:
+        gdc_wait()  # kernel A's act is complete and visible past this point
     for i0 in tl.range(0, N_INTER, BLOCK_I, num_stages=STAGES):
         if EVEN_I:
             am = held[:, None]
@@ -371,19 +384,22 @@ def moe_experts_decode(x, gate_up, down, weights, ids, scale, offset, out, cfg) 
     """Kernel A (dedup scan, gate_up + SwiGLU into act) then kernel B (down + combine)."""
     (t, h), (e, i2, _), k = x.shape, gate_up.shape, ids.shape[1]
     i, p, on_gpu = i2 // 2, t * ids.shape[1], x.is_cuda
+    pdl = bool(cfg.get("PDL")) and on_gpu and gdc_wait is not None
     act = torch.empty((p, i), dtype=x.dtype, device=x.device)
     ids = ids.contiguous()
     _moe_experts_gate_up_decode_kernel[(p, triton.cdiv(i, cfg["BLOCK_N"]))](
         x, ids, gate_up, act, p, e, offset, h, i, x.stride(0), gate_up.stride(0),
         gate_up.stride(1), act.stride(0), K_TOP=k, P2=max(64, _pow2(p)), BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN_K=h % cfg["BLOCK_K"] == 0,
-        MMA=bool(cfg["MMA"]), STAGES=cfg["A_STAGES"], ON_GPU=on_gpu, num_warps=cfg["A_WARPS"])
+        MMA=bool(cfg["MMA"]), STAGES=cfg["A_STAGES"], ON_GPU=on_gpu, PDL=pdl,
+        num_warps=cfg["A_WARPS"])
     block_i = min(cfg["BLOCK_I"], _pow2(i))
     _moe_experts_down_combine_kernel[(t, triton.cdiv(h, cfg["BLOCK_H"]))](
         act, down, weights.contiguous(), ids, out, e, offset, h, i, float(scale), act.stride(0),
         down.stride(0), down.stride(1), out.stride(0), K_TOP=k, K2=_pow2(k),
         BLOCK_H=cfg["BLOCK_H"], BLOCK_I=block_i, EVEN_I=i % block_i == 0,
-        STAGES=cfg["B_STAGES"], ON_GPU=on_gpu, num_warps=cfg["B_WARPS"])
+        STAGES=cfg["B_STAGES"], ON_GPU=on_gpu, PDL=pdl, num_warps=cfg["B_WARPS"],
+        **({"launch_pdl": True} if pdl else {}))
 
 
 def align(ids: torch.Tensor, e: int, offset: int, block_m: int) -> tuple:
