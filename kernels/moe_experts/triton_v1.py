@@ -16,10 +16,13 @@ the interpreter; the divide is div_rn. The GEMMs' K order differs from cuBLAS (t
 Paths (config "PATH"):
   decode  (T*k pairs <= 1024): no sort. Kernel A runs over (pair, N-tile of I): the first pair
           of each held expert gathers every pair routed to that expert (a scan of the ids) and
-          computes their gate|up tile over K = H, SwiGLU in the epilogue, into act[T*k, I]; other
-          pairs exit, so each hit expert's gate_up is streamed once. Kernel B runs over (token,
-          H-tile), tokens fastest so tokens sharing an expert read its down tile from L2: all k
-          slots' down GEMVs (K = I), weights, combine in order, rounding, scale. Two launches.
+          computes their gate|up tile over K = H (one weight tile of BLOCK_N gate rows and the
+          matching up rows, cp.async-pipelined; tl.dot with rows padded to 16, or multiply-reduce
+          for a row or two: config MMA), SwiGLU in the epilogue, into act[T*k, I]; other pairs
+          exit, so each hit expert's gate_up is streamed once. Kernel B runs over (token, H-tile),
+          tokens fastest so tokens sharing an expert read its down tile from L2: one gather of all
+          k slots' down rows per I-chunk, the GEMVs (K = I), weights, combine in order, rounding,
+          scale. Two launches; with config PDL, B is a programmatic dependent launch of A.
   grouped (any T): pairs sorted by expert on the device (argsort, counts, cumsum; no host sync),
           expert row tiles of BLOCK_M mapped to programs through the tile offsets; tl.dot tiles
           for gate_up+SwiGLU and for down (d rows into a scratch), then a combine kernel.
@@ -60,8 +63,8 @@ CONFIG_SPACE = {
 # (interpreter) takes coarse tiles, since there every program is a Python loop.
 DEFAULT_CONFIG: dict = {}
 BUCKET_DEFAULTS = {
-    1: {"PATH": "decode", "MMA": True, "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256,
-        "A_WARPS": 4, "A_STAGES": 4, "BLOCK_H": 16, "BLOCK_I": 64, "B_WARPS": 4, "B_STAGES": 3,
+    1: {"PATH": "decode", "MMA": True, "BLOCK_M": 16, "BLOCK_N": 8, "BLOCK_K": 256,
+        "A_WARPS": 4, "A_STAGES": 4, "BLOCK_H": 8, "BLOCK_I": 64, "B_WARPS": 4, "B_STAGES": 3,
         "PDL": False},
     128: {"PATH": "grouped", "MMA": True, "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64,
           "A_WARPS": 4, "A_STAGES": 4, "BLOCK_H": 64, "BLOCK_I": 64, "B_WARPS": 4,
