@@ -259,3 +259,25 @@ def test_gpu_kernels_compile_for_sm90(tmp_path):
                          cwd=Path(__file__).resolve().parent.parent)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("ok ") == len(SM90_CASES), res.stdout
+
+
+# ---- the template family the template agent tunes ----------------------------------------------
+@pytest.mark.parametrize("cfg", [
+    {"PATH": "decode", "MMA": False, "BLOCK_M": 2, "BLOCK_N": 16, "BLOCK_K": 64, "BLOCK_H": 32,
+     "BLOCK_I": 32, "PDL": True},
+    {"PATH": "grouped", "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 128, "BLOCK_H": 64},
+])
+def test_the_fused_template_renders_a_variant_that_matches(tmp_path, cfg) -> None:
+    import importlib.util
+
+    from autoopt.agents.template import CATALOG
+
+    spec = CATALOG["moe_experts"][0]
+    assert all(v in spec.space()[k] for k, v in cfg.items())
+    path = tmp_path / "moe_experts_fused.py"
+    path.write_text(spec.render())
+    mod = importlib.util.module_from_spec(importlib.util.spec_from_file_location("t", path))
+    mod.__spec__.loader.exec_module(mod)
+    assert mod.LANGUAGE == "triton" and mod.CONFIG_SPACE == spec.space()
+    args = inputs(17, 64, 16, 32, 8, 4, "dup")
+    check(mod.run(*args, config=cfg), args)
