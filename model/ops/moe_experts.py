@@ -110,12 +110,29 @@ NUMERICS = Numerics(
 )
 
 
+POOL = 16  # experts drawn independently; more are scaled copies (a rank's 256 take 25 s on CPU)
+
+
+def expert_weights(e: int, rows: int, cols: int, g, dtype, device, scale: float):
+    """[e, rows, cols]: POOL independent normal matrices; expert j >= POOL is matrix j % POOL
+    with every row scaled by its own factor in [0.5, 1.5), so no two experts are equal or
+    proportional (a kernel that reads the wrong expert is still caught) and E = 256 is cheap."""
+    pool = randn((min(e, POOL), rows, cols), g, torch.float32, "cpu", scale=scale).to(device)
+    if e <= POOL:
+        return pool.to(dtype)
+    row_scale = (0.5 + torch.rand((e, rows, 1), generator=g)).to(device)
+    out = torch.empty((e, rows, cols), dtype=dtype, device=device)
+    for j in range(e):
+        out[j] = (pool[j % POOL] if j < POOL else pool[j % POOL] * row_scale[j]).to(dtype)
+    return out
+
+
 def make_inputs(shape: Shape, seed: int, device="cpu", dtype=torch.bfloat16) -> tuple:
     g = gen(seed)
     t, h, e, i, k = shape["T"], shape["H"], shape["E"], shape["I"], shape.get("k", 8)
     x = randn((t, h), g, dtype, device)
-    gate_up = randn((e, 2 * i, h), g, dtype, device, scale=h**-0.5)
-    down = randn((e, h, i), g, dtype, device, scale=i**-0.5)
+    gate_up = expert_weights(e, 2 * i, h, g, dtype, device, h**-0.5)
+    down = expert_weights(e, h, i, g, dtype, device, i**-0.5)
     # Unbalanced routing on purpose: experts drawn from a skewed distribution, distinct per token.
     probs = torch.linspace(3.0, 0.2, e)
     ids = torch.stack([torch.multinomial(probs, k, generator=g) for _ in range(t)]).to(device)
