@@ -281,3 +281,12 @@ def test_the_fused_template_renders_a_variant_that_matches(tmp_path, cfg) -> Non
     assert mod.LANGUAGE == "triton" and mod.CONFIG_SPACE == spec.space()
     args = inputs(17, 64, 16, 32, 8, 4, "dup")
     check(mod.run(*args, config=cfg), args)
+
+
+def test_the_fused_template_is_triton_v1s_program() -> None:
+    # So a template win is recorded as triton_v1's tuned configs, not as a copy of its code.
+    from autoopt.agents.template import CATALOG
+    from autoopt.review import code_key
+
+    v1 = Registry().variant_path("moe_experts", "triton_v1").read_text()
+    assert code_key(CATALOG["moe_experts"][0].render()) == code_key(v1)

@@ -1,6 +1,8 @@
 """moe_experts: fused routed experts, two launches at decode, tiles and paths tuned per bucket.
 
 # {{HEADER}}
+The program is triton_v1's (kernels/moe_experts/triton_v1.py): configs the template agent
+tunes for it are that variant's tuned configs.
 
 Formula (NUMERICS.md "MoE combine", "Dense SwiGLU"), per (token t, slot j), e = ids[t,j] - offset:
     gu  = bf( x[t] @ gate_up[e]^T )                        FP32 accumulation, one rounding
@@ -77,10 +79,19 @@ CPU_TILES = {"BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_H": 128}
 DECODE_MAX_PAIRS = 1024  # the decode path scans all T*k ids per program
 
 
-# {{common.bf16_to_f32}}: _bf16_to_f32
+@triton.jit
+def _bf16_to_f32(x):
+    # Exact widening through the bit pattern (the interpreter's float cast mishandles subnormals).
+    return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 
 
-# {{common.f32_to_bf16}}: _f32_to_bf16
+@triton.jit
+def _f32_to_bf16(x):
+    # Round to nearest even on the bits: the interpreter's `.to(tl.bfloat16)` truncates.
+    bits = x.to(tl.uint32, bitcast=True)
+    hi = bits >> 16
+    carry = ((bits & 0xFFFF) + 0x7FFF + (hi & 1)) >> 16  # no uint32 overflow, even for NaNs
+    return tl.where(x != x, 0x7FC0, hi + carry).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -88,7 +99,12 @@ def _round(x):
     return _bf16_to_f32(_f32_to_bf16(x))
 
 
-# {{common.exp}}: _exp
+@triton.jit
+def _exp(x, ON_GPU: tl.constexpr):
+    if ON_GPU:
+        return libdevice.exp(x)  # __nv_expf, the expf torch's CUDA kernels call
+    else:
+        return tl.exp(x.to(tl.float64)).to(tl.float32)
 
 
 @triton.jit
