@@ -37,10 +37,10 @@ def routing(kind: str, t: int, e: int, k: int, g: torch.Generator) -> torch.Tens
 
 def inputs(t: int, h: int, e: int, i: int, k: int, seed: int, kind: str = "skewed",
            device: str = "cpu") -> tuple:
-    x, gu, dn, w, _, scale = contract.make_inputs({"T": t, "H": h, "E": e, "I": i, "k": k}, seed)
-    ids = routing(kind, t, e, k, torch.Generator().manual_seed(seed + 7))
-    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a
-                 for a in (x, gu, dn, w, ids, scale))
+    shape = {"T": t, "H": h, "E": e, "I": i, "k": k}
+    x, gu, dn, w, _, scale = contract.make_inputs(shape, seed, device)
+    ids = routing(kind, t, e, k, torch.Generator().manual_seed(seed + 7)).to(device)
+    return x, gu, dn, w, ids, scale
 
 
 def check(got: torch.Tensor, args: tuple) -> None:
