@@ -14,7 +14,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from . import __version__, cli_optimize, cli_serve
+from . import __version__, cli_bench, cli_optimize, cli_serve
 
 app = typer.Typer(
     help="Agents write, verify and tune fused GPU kernels for Beam-1.0, and serve it.",
@@ -178,32 +178,8 @@ def verify(
     raise typer.Exit(code)
 
 
-@app.command()
-def bench(
-    op: str = typer.Option(..., "--op", help="Op name (registry key), e.g. swiglu."),
-    variant: str = typer.Option(None, "--variant", help="Variant NAME (default: reference only)."),
-    source: Path = typer.Option(None, "--source", help="A variant file outside any registry."),
-    registry: Path = typer.Option(None, "--registry", help="Registry DIR (default: kernels/)."),
-    target: str = typer.Option(None, "--target", help="Target whose shapes to time."),
-    tokens: str = typer.Option(None, help="Token counts, e.g. 1,8,32 (default: the op's)."),
-    device: str = typer.Option("auto", help="cpu, cuda or auto (cuda when present)."),
-    warmup: int = typer.Option(10, help="Warm-up calls before timing."),
-    iters: int = typer.Option(50, help="Timed samples (graph replays on cuda)."),
-    compile_: bool = typer.Option(True, "--compile/--no-compile",
-                                  help="Also time torch.compile of the reference."),
-    json_out: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
-) -> None:
-    """Time reference, torch.compile and a variant: median, IQR, ratios, % of floor."""
-    from .eval.commands import BenchArgs, bench_command
-
-    args = BenchArgs(op, variant, source, registry, target, tokens, device, warmup, iters,
-                     compile_, json_out)
-    try:
-        code = bench_command(args, console)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        Console(stderr=True).print(f"[red]error:[/] {exc}")
-        raise typer.Exit(2) from None
-    raise typer.Exit(code)
+# `bench op` / `bench model` (and `bench --op X`) live in cli_bench.py
+cli_bench.register(app)
 
 
 # ---- registry (issue 4b) ------------------------------------------------------------------------
