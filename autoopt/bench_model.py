@@ -315,6 +315,24 @@ def _speedups(rows: list[Row], sets: list[str]) -> None:
                 r.speedup[other] = o.median_ms / r.median_ms
 
 
+def merge_results(a: BenchResult, b: BenchResult) -> BenchResult:
+    """One table from two runs of the same target in one process (e.g. the compile set run
+    last, so that a slow compile cannot cost the other sets' rows); speedups recomputed."""
+    if (a.target, a.phase, a.layers, a.gpu) != (b.target, b.phase, b.layers, b.gpu):
+        raise ValueError(f"cannot merge bench results of {a.target}/{a.phase}/{a.layers} layers "
+                         f"on {a.gpu} and {b.target}/{b.phase}/{b.layers} layers on {b.gpu}")
+    kernels = a.kernels + [k for k in b.kernels if k not in a.kernels]
+    rows = [dataclasses.replace(r, speedup={}) for r in a.rows + b.rows]
+    _speedups(rows, kernels)
+    stages = dict(a.stages)
+    for k, v in b.stages.items():
+        stages[f"{k} ({', '.join(b.kernels)})"] = v
+    return dataclasses.replace(
+        a, kernels=kernels, rows=rows, floors={**b.floors, **a.floors},
+        notes=a.notes + [n for n in b.notes if n not in a.notes], stages=stages,
+        attention_backend=a.attention_backend or b.attention_backend)
+
+
 def load_result(path: str | Path) -> dict[str, Any]:
     import json
 
