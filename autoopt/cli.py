@@ -113,6 +113,9 @@ class ProfileArgs:
     proxy: bool
     backend: str | None
     compare: tuple[Path, Path] | None
+    eager: bool = False
+    attention_backend: str = "auto"
+    ncu_sample: int = 0
 
 
 @app.command()
@@ -124,13 +127,21 @@ def profile(
     kernels: str = typer.Option(None, help="reference (default), tuned, or a lock file path."),
     out: Path = typer.Option(None, help="Output directory (default runs/<time>-profile-<target>)."),
     proxy: bool = typer.Option(False, help="Run a GPU target on another GPU at its shapes."),
-    backend: str = typer.Option(None, help="auto (default: ncu if present), ncu or torch."),
+    backend: str = typer.Option(None, help="auto or torch (torch.profiler); ncu adds a sampled "
+                                "Nsight Compute pass over the top ops' kernels."),
     compare: tuple[Path, Path] = typer.Option(None, help="Two profile.json files side by side."),
+    eager: bool = typer.Option(False, "--eager", help="Profile the eager step instead of the "
+                               "CUDA-graph replay the server runs."),
+    attention_backend: str = typer.Option("auto", "--attention-backend",
+                                          help="auto, torch or flashinfer."),
+    ncu_sample: int = typer.Option(0, "--ncu-sample", help="Nsight Compute on at most N "
+                                   "kernels of the top ops (0: none)."),
 ) -> None:
-    """Profile one step of a target: time, kernels, bytes and floor per op."""
+    """Profile the served step of a target: time, kernels, bytes and floor per op."""
     from .profiler.report import profile_command
 
-    args = ProfileArgs(target, batch, layers, context, kernels, out, proxy, backend, compare)
+    args = ProfileArgs(target, batch, layers, context, kernels, out, proxy, backend, compare,
+                       eager, attention_backend, ncu_sample)
     raise typer.Exit(profile_command(args, console))
 
 

@@ -64,3 +64,17 @@ def test_bench_model_reference_vs_tuned():
         assert ref.x_floor > 1 and ref.kernels_per_step > 6 * 10
         assert tuned.parity["top1_agree"] and tuned.parity["finite"]
         assert tuned.speedup["reference"] == pytest.approx(ref.median_ms / tuned.median_ms)
+
+
+@pytest.mark.slow
+def test_bench_model_compile_set_keeps_the_reference_function():
+    # Inductor with emulate_precision_casts compiles the same function: same top-1, ulp-level
+    # differences at most, captured in the same graphs.
+    res = run_bench(BenchModelArgs("h200-tp8-decode", batches=(1, 8), contexts=(2048,),
+                                   layers=4, kernels=("reference", "compile"), iters=5,
+                                   proxy=True))
+    for b in (1, 8):
+        c = res.row(2048, b, "compile")
+        assert c.ran and c.graph_bucket == b
+        assert c.parity["top1_agree"] and c.parity["max_abs_diff"] <= 0.25
+    assert any("not compiled" in n for n in res.notes)

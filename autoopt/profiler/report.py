@@ -307,7 +307,9 @@ def profile_command(args, console: Console) -> int:
             return 2
         kw = {k: getattr(args, k) for k in ("kernels", "backend") if getattr(args, k)}
         p = profile_step(args.target, batch=args.batch, layers=args.layers, proxy=args.proxy,
-                         context=args.context, **kw)
+                         context=args.context, eager=args.eager,
+                         attention_backend=args.attention_backend,
+                         ncu_sample=args.ncu_sample, **kw)
     except (TargetError, ValueError) as e:
         console.print(f"[red]error:[/] {e}")
         return 2
