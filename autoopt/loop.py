@@ -92,10 +92,10 @@ def agent_options(args: OptimizeArgs, name: str) -> dict[str, Any]:
 
 def _context(args: OptimizeArgs, target: Any, run_dir: Path, proxy_note: str | None,
              register: bool = True) -> RunContext:
-    from model.registry import Registry, current_arch, gpu_name
+    from model.registry import current_arch, gpu_name
 
     device = "cpu" if target.hardware.is_cpu else "cuda"
-    return RunContext(run_dir=run_dir, registry=Registry(args.registry or env.registry_dir()),
+    return RunContext(run_dir=run_dir, registry=env.open_registry(args.registry),
                       target=target, arch=current_arch(device), gpu=gpu_name(device),
                       auto_accept=args.auto_accept, proxy_note=proxy_note, register=register,
                       verify_seeds=tuple(range(args.verify_seeds)),
@@ -223,7 +223,7 @@ def _profile(args: OptimizeArgs, target: Any, state: RunState, console: Console)
     from .profiler import profile_step
 
     state.set_phase("profiling")
-    registry = args.registry or env.registry_dir()
+    registry = env.open_registry(args.registry).root
     with console.status(f"profiling one {target.phase} step of {target.name} (tuned)"):
         prof = profile_step(target, batch=args.batch, layers=args.layers, kernels="tuned",
                             proxy=args.proxy, backend=args.profile_backend, registry=registry)
