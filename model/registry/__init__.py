@@ -29,12 +29,7 @@ from .runtime import KernelCall, Resolution, current_arch, gpu_name, resolve_ops
 from .schema import SCHEMA, STATUSES, Benchmark, Provenance, Record, Variant, Verification
 from .store import Problem, Registry
 
-
-def sha256(path) -> str:  # noqa: ANN001 - str or Path
-    """sha256 of a file's bytes."""
-    from pathlib import Path
-
-    return sha256_bytes(Path(path).read_bytes())
+sha256 = Registry.sha256
 
 
 __all__ = ["LANGUAGES", "LOCK_NAME", "SCHEMA", "STATUSES", "Benchmark", "ConfigEntry",

@@ -62,6 +62,11 @@ class Registry:
             return self._seed
         return self._root
 
+    @staticmethod
+    def sha256(path: str | Path) -> str:
+        """sha256 of any file's bytes (a candidate outside the registry, say)."""
+        return sha256_bytes(Path(path).read_bytes())
+
     @property
     def lock_path(self) -> Path:
         return self.root / LOCK_NAME
@@ -232,15 +237,15 @@ class Registry:
         op, name = record.op, record.name
         self.prepare_write()
         variant, _ = self.read_variant(op, name)
-        if variant.sha256 != record.variant.sha256:
-            raise RegistryError(f"{op}/{name}.py hashes to {variant.sha256[:12]} but the record "
-                                f"says {record.variant.sha256[:12]}")
         old = self.read_record(op, name)
         if old is not None and old.variant.sha256 != variant.sha256:
             raise RegistryError(
                 f"{op}/{name}.py changed since it was recorded (sha256 "
                 f"{old.variant.sha256[:12]} -> {variant.sha256[:12]}); variants are immutable: "
                 "save the new code as a new variant")
+        if variant.sha256 != record.variant.sha256:
+            raise RegistryError(f"{op}/{name}.py hashes to {variant.sha256[:12]} but the record "
+                                f"says {record.variant.sha256[:12]}")
         return self._write(self.record_path(op, name), dump_json(record.to_json()))
 
     def _write_configs(self, op: str, name: str, table: ConfigTable) -> Path:

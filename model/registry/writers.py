@@ -209,7 +209,8 @@ def accept(reg: Registry, op: str, name: str, arch: str | None = None,
                             f"verify it on {arch} (autoopt registry record) before accepting it "
                             "there")
     configs = reg.read_configs(op, name).merged(rec.proposed_configs.entries)
-    rec = rec.replace(status="accepted", status_reason=reason or f"accepted in review for {arch}",
+    reason = reason or "accepted in review" + (f" for {arch}" if arch else "")
+    rec = rec.replace(status="accepted", status_reason=reason,
                       proposed_configs=ConfigTable())
     rec = rec.with_review({"time": now_iso(), "action": "accept", "arch": arch,
                            "configs": configs.to_json()})
@@ -228,8 +229,9 @@ def reject(reg: Registry, op: str, name: str, why: str) -> tuple[Record, list[st
     if not why.strip():
         raise RegistryError("reject needs a reason: --why 'what is wrong with it'")
     rec = _require(reg, op, name)
-    rec = rec.replace(status="rejected", status_reason=why)
-    reg._write_record(rec.with_review({"time": now_iso(), "action": "reject", "why": why}))
+    rec = rec.replace(status="rejected", status_reason=why).with_review(
+        {"time": now_iso(), "action": "reject", "why": why})
+    reg._write_record(rec)
     unlocked = [a for a in _locked_archs(reg, op, name) if unlock(reg, a, op)]
     return rec, unlocked
 
@@ -243,9 +245,9 @@ def set_status(reg: Registry, op: str, name: str, status: str, reason: str = "")
         return accept(reg, op, name, reason=reason, lock_it=False)
     if status == "rejected":
         return reject(reg, op, name, reason)[0]
-    rec = _require(reg, op, name).replace(status="candidate", status_reason=reason)
-    reg._write_record(rec.with_review({"time": now_iso(), "action": "candidate",
-                                       "why": reason}))
+    rec = _require(reg, op, name).replace(status="candidate", status_reason=reason).with_review(
+        {"time": now_iso(), "action": "candidate", "why": reason})
+    reg._write_record(rec)
     for a in _locked_archs(reg, op, name):
         unlock(reg, a, op)
     return rec
