@@ -63,8 +63,10 @@ def bench(op: str, path: Path, plan: Sequence[tuple[str, dict]], device: str, *,
 
 def record_evidence(reg: Registry, op: str, name: str, device: str, report: Mapping[str, Any],
                     rows: Sequence[Mapping[str, Any]], agent: str = "hand-written") -> Record:
-    """Write the report (as this machine's arch's verification) and rows into the record."""
-    check = Verification.from_report(current_arch(device), report, source=f"{op}/{name}.py")
+    """Write the report (as this machine's arch's verification) and rows into the record. A
+    report that names no file hash is taken to be of the file as it is now."""
+    sha = reg.read_variant(op, name)[0].sha256
+    check = Verification.from_report(current_arch(device), report, sha, f"{op}/{name}.py")
     return writers.record(reg, op, name, [check], rows, agent)
 
 

@@ -245,3 +245,31 @@ def test_committed_lock_loads_every_sm90_entry():
     assert refused == []
     locked = Lock.read(Registry().lock_path).section("sm_90")
     assert {op for op, s in table.sources.items() if s != "reference"} == set(locked)
+
+
+@pytest.mark.gpu
+def test_committed_lock_runs_on_the_gpu_with_its_tuned_config():
+    # On an sm_90 GPU the repository's lock loads every entry, and norm_residual_norm gets the
+    # config tuned for its TP8 per-rank width (H=5120) at T=1 on an H200.
+    import warnings
+
+    from model.registry import KernelRefusedWarning, current_arch, gpu_name
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KernelRefusedWarning)
+        table = resolve_ops("tuned", device="cuda")
+    arch = current_arch("cuda")
+    locked = Lock.read(Registry().lock_path).section(arch)
+    assert {op for op, s in table.sources.items() if s != "reference"} == set(locked)
+    if "norm_residual_norm" not in locked:
+        return
+    c = CONTRACTS["norm_residual_norm"]
+    args = c.make_inputs({"T": 1, "H": 5120}, 0, "cuda")
+    call = table.impl("norm_residual_norm")
+    tuned = Registry().read_configs("norm_residual_norm", locked["norm_residual_norm"].variant)
+    want = tuned.lookup(gpu_name("cuda"), (("H", 5120),), 1)
+    assert call.key_of(args) == (1, (("H", 5120),))
+    assert call.config_for(*call.key_of(args)) == (dict(want) if want is not None
+                                                   else call.default)
+    for got, ref in zip(table.norm_residual_norm(*args), c.reference(*args)):
+        assert torch.equal(got, ref)
