@@ -94,15 +94,16 @@ def _list(reg: Registry, args: RegistryArgs, console: Console) -> int:
     else:
         title = f"{args.status or 'all'} variants in {reg.root}"
         table = Table(title=title)
-        for col in ("op", "variant", "status", "language", "agent", "file", "locked",
-                    "verified", "best x ref"):
+        # "proposed configs": tuned configs waiting for `accept` (an accepted variant too).
+        cols = ("op", "variant", "status", "language", "agent", "file", "locked", "verified",
+                "best x ref", "proposed configs")
+        for col in cols:
             # Names are what a reviewer types next: never cut them.
             table.add_column(col, no_wrap=col in ("op", "variant"), overflow="fold")
         for r in rows:
             bad = r["file"] in ("MODIFIED", "missing", "unsafe")
-            table.add_row(*(f"[red]{r[c]}[/]" if bad and c == "file" else str(r[c])
-                            for c in ("op", "variant", "status", "language", "agent", "file",
-                                      "locked", "verified", "best x ref")))
+            table.add_row(*(f"[red]{r[c]}[/]" if bad and c == "file" else str(r[c] or "-")
+                            for c in cols))
         console.print(table if rows else f"no {args.status or ''} variants in {reg.root}")
     problems = reg.check_immutable()
     for p in problems:
