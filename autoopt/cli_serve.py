@@ -23,6 +23,15 @@ def register(app: typer.Typer) -> None:
 # ---- serving (issue 3) -------------------------------------------------------------------------
 ATTENTION_HELP = ("auto (FlashInfer on a GPU where it is installed, else torch), torch or "
                   "flashinfer (default: auto).")
+REGISTRY_HELP = ("Registry DIR the kernels and their lock come from (default: $AUTOOPT_REGISTRY, "
+                 "the checkout's kernels/, or your per-user registry, else the shipped one).")
+
+
+def registry_root(registry: Path | None) -> str:
+    """The registry the runtime reads (defined in autoopt/env.py), as a path for the engine."""
+    from . import env
+
+    return str(env.open_registry(registry).root)
 
 @dataclass(frozen=True)
 class GenerateArgs:
@@ -43,6 +52,7 @@ class GenerateArgs:
     tp: int | None = None  # issue 7
     ep: int | None = None
     attention_backend: str | None = None
+    registry: str | None = None
 
 
 def generate(
@@ -65,11 +75,12 @@ def generate(
                            "(NCCL), or N CPU processes (gloo)."),
     ep: int = typer.Option(None, "--ep", help="Expert parallelism: 1 (default) or the --tp value."),
     attention_backend: str = typer.Option(None, "--attention-backend", help=ATTENTION_HELP),
+    registry: Path = typer.Option(None, "--registry", help=REGISTRY_HELP),
 ) -> None:
     """Generate from one prompt offline, through the serving engine."""
     args = GenerateArgs(model, prompt, prompt_ids, max_tokens, temperature, top_p, top_k, seed,
                         device, dtype, kernels, max_model_len, cuda_graphs, json_out, tp, ep,
-                        attention_backend)
+                        attention_backend, registry_root(registry))
     import json
     from dataclasses import asdict
 
@@ -121,6 +132,7 @@ def serve(
                            "(NCCL), or N CPU processes (gloo)."),
     ep: int = typer.Option(None, "--ep", help="Expert parallelism: 1 (default) or the --tp value."),
     attention_backend: str = typer.Option(None, "--attention-backend", help=ATTENTION_HELP),
+    registry: Path = typer.Option(None, "--registry", help=REGISTRY_HELP),
 ) -> None:
     """Serve a checkpoint over the OpenAI and Anthropic HTTP APIs (no --model: the demo)."""
     from model.parallel import TPError
@@ -128,7 +140,7 @@ def serve(
 
     opts = ServeOptions(model, host, port, device, dtype, kernels, max_num_seqs, max_model_len,
                         max_num_batched_tokens, gpu_memory_utilization, api_key, served_model_name,
-                        tp, ep, attention_backend)
+                        tp, ep, attention_backend, registry_root(registry))
     try:
         run_server(opts, say=lambda line: console.print(line, highlight=False, markup=False,
                                                         soft_wrap=True))

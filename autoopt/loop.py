@@ -92,10 +92,10 @@ def agent_options(args: OptimizeArgs, name: str) -> dict[str, Any]:
 
 def _context(args: OptimizeArgs, target: Any, run_dir: Path, proxy_note: str | None,
              register: bool = True) -> RunContext:
-    from model.registry import Registry, current_arch, gpu_name
+    from model.registry import current_arch, gpu_name
 
     device = "cpu" if target.hardware.is_cpu else "cuda"
-    return RunContext(run_dir=run_dir, registry=Registry(args.registry or env.registry_dir()),
+    return RunContext(run_dir=run_dir, registry=env.open_registry(args.registry),
                       target=target, arch=current_arch(device), gpu=gpu_name(device),
                       auto_accept=args.auto_accept, proxy_note=proxy_note, register=register,
                       verify_seeds=tuple(range(args.verify_seeds)),
@@ -147,11 +147,16 @@ def bench_shapes(target: Any, op: str) -> list[dict]:
 
 
 def _current(ctx: RunContext, op: str) -> tuple[str, str, dict]:
-    entry = ctx.registry.lock(ctx.arch).get(op)
-    path = ctx.registry.variant_path(op, entry.variant) if entry else None
-    if entry and path.is_file() and ctx.registry.sha256(path) == entry.sha256:
-        return entry.variant, path.read_text(), ctx.registry.read_record(op, entry.variant) or {}
-    return "reference", "", {}
+    """(name, source, record as JSON) of what this arch's lock runs for `op`, on its evidence."""
+    from model.registry.runtime import check_evidence
+
+    reg = ctx.registry
+    entry = reg.read_lock().section(ctx.arch).get(op)
+    found = check_evidence(reg, op, entry, ctx.arch) if entry else "not locked"
+    if isinstance(found, str):
+        return "reference", "", {}
+    rec = reg.read_record(op, entry.variant)
+    return entry.variant, found[1].decode(), rec.to_json()
 
 
 def build_task(ctx: RunContext, state: RunState, op: str, device: str) -> OptimizationTask:
@@ -223,7 +228,10 @@ def _profile(args: OptimizeArgs, target: Any, state: RunState, console: Console)
     from .profiler import profile_step
 
     state.set_phase("profiling")
-    registry = args.registry or env.registry_dir()
+    reg = env.open_registry(args.registry)
+    if not reg.root.is_dir():  # a new registry: every op's baseline is the reference
+        reg.prepare_write()
+    registry = reg.root
     with console.status(f"profiling one {target.phase} step of {target.name} (tuned)"):
         prof = profile_step(target, batch=args.batch, layers=args.layers, kernels="tuned",
                             proxy=args.proxy, backend=args.profile_backend, registry=registry)
