@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from . import __version__, cli_optimize, cli_registry, cli_serve
+from .console import make_console
 
 app = typer.Typer(
     help="Agents write, verify and tune fused GPU kernels for Beam-1.0, and serve it.",
@@ -23,7 +23,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_show_locals=False,
 )
-console = Console()
+console = make_console()
 
 
 def _version(value: bool) -> None:
@@ -104,7 +104,7 @@ def targets(
     try:
         targets_command(TargetsArgs(name, batch), console)
     except TargetError as exc:
-        Console(stderr=True).print(f"[red]error:[/] {exc}", highlight=False)
+        make_console(stderr=True).print(f"[red]error:[/] {exc}", highlight=False)
         raise typer.Exit(2) from None
 
 
@@ -179,7 +179,7 @@ def verify(
     try:
         code = verify_command(args, console)
     except (ValueError, FileNotFoundError) as exc:
-        Console(stderr=True).print(f"[red]error:[/] {exc}")
+        make_console(stderr=True).print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
     raise typer.Exit(code)
 
@@ -207,7 +207,7 @@ def bench(
     try:
         code = bench_command(args, console)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        Console(stderr=True).print(f"[red]error:[/] {exc}")
+        make_console(stderr=True).print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
     raise typer.Exit(code)
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
-console = Console()
+from .console import make_console
+
+console = make_console()
 
 
 def register(app: typer.Typer) -> None:
@@ -20,7 +21,7 @@ def register(app: typer.Typer) -> None:
 
 # ---- optimize (issue 6) ----------------------------------------------------------------
 def _fail(exc: BaseException, code: int = 2) -> typer.Exit:
-    Console(stderr=True).print(f"[red]error:[/] {exc}")
+    make_console(stderr=True).print(f"[red]error:[/] {exc}")
     return typer.Exit(code)
 
 

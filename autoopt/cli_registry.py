@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
-console = Console()
+from .console import make_console
+
+console = make_console()
 registry_app = typer.Typer(
     help="The kernel registry: list, show and review variants with their evidence; accept, "
          "reject, record and lock them.", no_args_is_help=True)
@@ -93,7 +94,7 @@ def record(
     try:
         rec, report, rows = record_variant(env.open_registry(registry), args)
     except (RegistryError, ValueError, FileNotFoundError) as exc:
-        Console(stderr=True).print(f"[red]error:[/] {exc}", highlight=False)
+        make_console(stderr=True).print(f"[red]error:[/] {exc}", highlight=False)
         raise typer.Exit(2) from None
     console.print(f"{op}/{variant}: {report.get('verdict')} on {report.get('device')}, "
                   f"{len(rows)} timing rows; record {rec.status}, verdicts "

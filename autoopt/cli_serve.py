@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
-console = Console()
+from .console import make_console
+
+console = make_console()
 
 
 def register(app: typer.Typer) -> None:
@@ -93,15 +94,15 @@ def generate(
     try:
         result, engine = run_generate(GenerateRequest(**fields))
     except (RequestError, ValueError) as exc:
-        Console(stderr=True).print(f"[red]error:[/] {exc}")
+        make_console(stderr=True).print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
     except TPError as exc:  # a rank died or failed (issue 7)
-        Console(stderr=True).print("error: " + str(exc), markup=False, highlight=False,
+        make_console(stderr=True).print("error: " + str(exc), markup=False, highlight=False,
                                          soft_wrap=True)
         raise typer.Exit(1) from None
     if result is None:
         return  # a torchrun rank other than 0: rank 0 prints
-    err = Console(stderr=True)
+    err = make_console(stderr=True)
     err.print(engine.startup_report)
     err.print(f"{len(result.prompt_token_ids)} prompt tokens, {len(result.token_ids)} generated, "
               f"finish_reason={result.finish_reason}")
@@ -145,9 +146,9 @@ def serve(
         run_server(opts, say=lambda line: console.print(line, highlight=False, markup=False,
                                                         soft_wrap=True))
     except (ValueError, FileNotFoundError) as exc:
-        Console(stderr=True).print(f"[red]error:[/] {exc}")
+        make_console(stderr=True).print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
     except TPError as exc:  # a rank died or failed: the group is down (issue 7)
-        Console(stderr=True).print("error: " + str(exc), markup=False, highlight=False,
+        make_console(stderr=True).print("error: " + str(exc), markup=False, highlight=False,
                                          soft_wrap=True)
         raise typer.Exit(1) from None

@@ -119,3 +119,9 @@ def anthropic_api_key() -> str | None:
 
 def anthropic_base_url() -> str | None:
     return _get("ANTHROPIC_BASE_URL")
+
+
+def terminal_columns() -> int | None:
+    """COLUMNS when the caller set it (rich honours it; autoopt.console only asks whether)."""
+    value = _get("COLUMNS")
+    return int(value) if value and value.isdigit() else None

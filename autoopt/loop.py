@@ -26,6 +26,7 @@ from rich.console import Console
 
 from . import env
 from .agents import Limits, OptimizationTask, default_agent, make_agent, run_session
+from .console import make_console
 from .loop_eval import HarnessEvaluator, RunContext
 from .runstate import RunState
 
@@ -175,7 +176,7 @@ def optimize(args: OptimizeArgs, console: Console | None = None,
     """Run (or resume) an optimize run; returns its run directory."""
     from .targets import load_target
 
-    console = console or Console()
+    console = console or make_console()
     if resume is not None:
         state = RunState.load(Path(resume))
         args = args_from_state(state.data["args"])
@@ -347,7 +348,7 @@ def _worker_op(saved: dict, run_dir: str, op: str, deadline: float) -> str:
     agent = make_agent(saved["agent"], **agent_options(args, saved["agent"]))
     target = load_target(args.target)
     ctx = _context(args, target, Path(run_dir), target.require_local_gpu(args.proxy))
-    console = Console()
+    console = make_console()
     console.print(f"worker {os.getpid()} on {_WORKER['physical']}: {op}")
     _one_op(args, agent, ctx, RunState.load(Path(run_dir)), op, _WORKER["device"], deadline,
             console)

@@ -19,6 +19,7 @@ from rich.table import Table
 from model.registry import Record, Registry, RegistryError, current_arch, writers
 
 from . import env
+from .console import make_console
 from .registry_show import file_state, locked_in, show_text
 
 
@@ -44,7 +45,7 @@ def run_registry(command: str, args: RegistryArgs, console: Console) -> int:
         reg = env.open_registry(args.root)
         return handlers[command](reg, args, console)
     except RegistryError as exc:
-        Console(stderr=True).print(f"[red]error:[/] {exc}", highlight=False)
+        make_console(stderr=True).print(f"[red]error:[/] {exc}", highlight=False)
         return 1
 
 
