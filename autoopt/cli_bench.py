@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
-console = Console()
+from .console import make_console
+
+console = make_console()
 
 bench_app = typer.Typer(
     help="Time kernels: `bench op` (an op's variants against the reference and torch.compile) "
@@ -24,7 +25,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _fail(exc: BaseException, code: int = 2) -> typer.Exit:
-    Console(stderr=True).print(f"[red]error:[/] {exc}")
+    make_console(stderr=True).print(f"[red]error:[/] {exc}")
     return typer.Exit(code)
 
 

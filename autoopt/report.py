@@ -25,13 +25,15 @@ def _new_lock(ctx: Any, state: Any) -> Path | None:
     winners = state.winners()
     if not winners:
         return None
+    from model.registry import Lock, writers
+
     reg = ctx.registry
-    section = {op: {"variant": e.variant, "sha256": e.sha256}
-               for op, e in reg.lock(ctx.arch).items()}
-    for op, w in winners.items():
-        section[op] = {"variant": w["variant"],
-                       "sha256": reg.sha256(reg.variant_path(op, w["variant"]))}
-    return reg.write_lock({ctx.arch: section}, path=ctx.run_dir / NEW_SET)
+    section = dict(reg.read_lock().section(ctx.arch))
+    for op, w in winners.items():  # verified candidates of this run, pinned as the runtime checks
+        section[op] = writers.lock_entry(reg, op, w["variant"], ctx.arch, allow_candidates=True)
+    path = ctx.run_dir / NEW_SET
+    path.write_text(Lock({ctx.arch: section}).to_toml())
+    return path
 
 
 def end_to_end(ctx: Any, state: Any, batches: tuple[int, ...], layers: int | None,
@@ -71,10 +73,7 @@ def _sources(ctx: Any, lock: Path | None) -> dict[str, str]:
     """Ops the new set takes from the registry (what the check ran)."""
     if lock is None:
         return {}
-    import tomllib
-
-    section = tomllib.loads(lock.read_text()).get(ctx.arch, {})
-    return {op: e["variant"] for op, e in section.items() if isinstance(e, dict)}
+    return {op: e.variant for op, e in ctx.registry.read_lock(lock).section(ctx.arch).items()}
 
 
 # ---- the report ---------------------------------------------------------------------------

@@ -52,7 +52,10 @@ def _registry_set(name: str, device: torch.device, registry: str | None) -> Kern
     if name != "tuned" and not Path(name).is_file():
         raise TargetError(f"--kernels: {name!r} is not reference, tuned, compile or a lock file "
                           "path")
-    table = resolve_ops(kernels=name, registry=registry, device=device, dtype=torch.bfloat16)
+    # A lock file given by path (the optimize loop's trial of a run's new set) may select
+    # verified candidates: measuring them is the point; serving never loads them.
+    table = resolve_ops(kernels=name, registry=registry, device=device, dtype=torch.bfloat16,
+                        allow_candidates=name != "tuned")
     refused = {op: r.refused for op, r in getattr(table, "resolution", {}).items() if r.refused}
     used = sorted(op for op, s in table.sources.items() if s != "reference")
     notes = [f"{name}: registry variants for {', '.join(used) or 'no op'}"]

@@ -50,6 +50,7 @@ class EngineConfig:
     tp: int = 1  # tensor-parallel ranks (model/serve/tp_worker.py starts them)
     ep: int = 1  # expert parallelism: 1 (experts split by TP) or tp (experts split across ranks)
     attention_backend: str = "auto"  # auto | torch | flashinfer (model/serve/flashinfer_attention)
+    registry: str | None = None  # the registry DIR kernels and their lock come from (None: default)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -92,15 +93,16 @@ def load_engine_model(config: EngineConfig) -> BeamForCausalLM:
     kwargs = {"dtype": config.torch_dtype, "device": str(config.resolved_device())}
     if "kernels" in inspect.signature(weights.load_model).parameters:
         kwargs["kernels"] = config.kernels or "tuned"
+        kwargs["registry"] = config.registry
     return weights.load_model(config.model, **kwargs)
 
 
-def apply_kernels(model: BeamForCausalLM, kernels: str) -> None:
+def apply_kernels(model: BeamForCausalLM, kernels: str, registry: str | None = None) -> None:
     """Give a model passed to the engine the ops of `EngineConfig.kernels` (for its device's
-    arch); its collectives (TP) stay as attached."""
+    arch, from `registry`); its collectives (TP) stay as attached."""
     from ..registry import resolve_ops
 
-    model.set_ops(resolve_ops(kernels, device=model.device, dtype=model.dtype))
+    model.set_ops(resolve_ops(kernels, registry, device=model.device, dtype=model.dtype))
     log.info("engine: the passed model runs --kernels %s", kernels)
 
 
@@ -117,7 +119,7 @@ class LLMEngine:
                  tokenizer=None) -> None:
         self.config = config
         if model is not None and config.kernels is not None:
-            apply_kernels(model, config.kernels)
+            apply_kernels(model, config.kernels, config.registry)
         self.model = model if model is not None else load_engine_model(config)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
         self.model_config = self.model.config
