@@ -78,7 +78,7 @@ def test_resume_finishes_the_run_with_registry_e2e_and_report(run):
         assert rec.status == "candidate" and rec.optimize["speed_judged"] is False
         assert rec.verdicts() == {"cpu": "pass"}
         # On the CPU nothing is timed: no benchmark rows, no tuned configs, no speedup.
-        assert rec.benchmarks == [] and rec.optimize["speedup"] is None
+        assert not rec.benchmarks and rec.optimize["speedup"] is None
         assert not rec.proposed_configs and not reg.config_path(op, "template_tiles_v1").exists()
         notes = (reg.root / op / "NOTES.md").read_text()
         assert "Hypothesis:" in notes and "Prediction:" in notes and "Result:" in notes
