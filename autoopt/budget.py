@@ -28,15 +28,18 @@ class Costs:
     report: float
     min_sessions: float  # below this the agent sessions are not worth starting
     min_op: float  # an op's session gets at least this long (one proposal verified, timed)
+    min_start: float  # no op starts with less than this left (a cheap op may still finish)
 
 
 COSTS = {
     # 2-core CPU, cpu-tiny (Triton interpreter; bf16 matmuls on the CPU), measured under load.
     "cpu": Costs(profile_fixed=4.0, profile_per_batch=4.0, e2e_fixed=3.0, e2e_per_set=1.0,
-                 e2e_per_row=6.0, report=8.0, min_sessions=60.0, min_op=60.0),
+                 e2e_per_row=6.0, report=8.0, min_sessions=60.0, min_op=60.0,
+                 min_start=20.0),
     # One H200, a 52-layer TP8 rank: ~124 GB of weights filled on the GPU, graph capture.
     "gpu": Costs(profile_fixed=120.0, profile_per_batch=25.0, e2e_fixed=60.0, e2e_per_set=25.0,
-                 e2e_per_row=8.0, report=10.0, min_sessions=120.0, min_op=120.0),
+                 e2e_per_row=8.0, report=10.0, min_sessions=120.0, min_op=120.0,
+                 min_start=60.0),
 }
 E2E_SETS = 3  # reference, tuned, the run's new set
 
@@ -54,7 +57,8 @@ class RunPlan:
     profile_batches: tuple[int, ...]
     e2e_batches: tuple[int, ...]  # () = no end-to-end check
     stages: tuple[Stage, ...]  # profile, sessions, [e2e], report: in order
-    min_op_s: float = 0.0  # no op's session starts with less than this left
+    min_op_s: float = 0.0  # an op's session gets at least this long, where there is time
+    min_start_s: float = 0.0  # no op's session starts with less than this left
 
     def seconds(self, name: str) -> float:
         return next((s.seconds for s in self.stages if s.name == name), 0.0)
@@ -110,7 +114,7 @@ def plan_run(budget_s: float, kind: str, batches: Sequence[int], e2e: bool = Tru
         stages.append(Stage("e2e", e_s, "bench model: reference vs tuned vs the run's set at "
                             f"batch {', '.join(map(str, check))}"))
     stages.append(Stage("report", c.report, "report.md with ms per step against the floor"))
-    return RunPlan(budget_s, prof, check, tuple(stages), c.min_op)
+    return RunPlan(budget_s, prof, check, tuple(stages), c.min_op, c.min_start)
 
 
 __all__ = ["COSTS", "Costs", "RunPlan", "Stage", "plan_run"]

@@ -239,8 +239,8 @@ def _run(args: OptimizeArgs, target: Any, agent: Any, state: RunState, proxy_not
         if not state.data["ops"]:
             _rank(args, agent, state)
         with stage("sessions"):
-            _sessions(args, agent, ctx, state, console, ends["sessions"], plan.min_op_s,
-                      clock=clock)
+            _sessions(args, agent, ctx, state, console, ends["sessions"],
+                      (plan.min_op_s, plan.min_start_s), clock=clock)
         if plan.e2e_batches and state.data.get("e2e") is None:
             state.set_phase("e2e")
             from .report import end_to_end
@@ -335,17 +335,19 @@ def _deadline(start: float, end: float, k: int, n: int, workers: int) -> float:
     return min(end, start + (end - start) * (k // workers + 1) / rounds)
 
 
-def op_deadline(now: float, end: float, remaining: int, min_op_s: float) -> float | None:
+def op_deadline(now: float, end: float, remaining: int, min_op_s: float,
+                min_start_s: float = 0.0) -> float | None:
     """The next op's deadline (one worker): an equal share of what is left, at least
-    `min_op_s` so that the ops started can finish a proposal; None: not enough time left."""
-    if end - now < min_op_s or remaining < 1:
+    `min_op_s` (so that the ops started can finish a proposal rather than every op time out),
+    never past `end`; None: less than `min_start_s` is left."""
+    if end - now < max(min_start_s, 1e-9) or remaining < 1:
         return None
     return min(end, now + max((end - now) / remaining, min_op_s))
 
 
 def _sessions(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState,
-              console: Console, end: float, min_op_s: float = 0.0, mp_context: str = "spawn",
-              clock: Any = time.monotonic) -> None:
+              console: Console, end: float, minimums: tuple[float, float] = (0.0, 0.0),
+              mp_context: str = "spawn", clock: Any = time.monotonic) -> None:
     state.set_phase("optimizing")
     ops, devices = state.pending_ops(), _devices(ctx, args.device)
     start = clock()
@@ -355,7 +357,7 @@ def _sessions(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState,
         for k, op in enumerate(ops):
             now = clock()
             # Ops after this one share what is left, so an early finish passes its time on.
-            deadline = op_deadline(now, end, len(ops) - k, min_op_s)
+            deadline = op_deadline(now, end, len(ops) - k, *minimums)
             if deadline is None:
                 state.update_op(op, status="not started", note="the budget was spent")
                 say(f"{op}: not started, {max(0.0, end - now):.0f} s left of the sessions' time")

@@ -11,7 +11,7 @@ from autoopt.budget import COSTS, Costs, plan_run
 from autoopt.loop import OptimizeArgs, op_deadline
 
 COSTS_T = Costs(profile_fixed=10, profile_per_batch=5, e2e_fixed=10, e2e_per_set=2,
-                e2e_per_row=4, report=5, min_sessions=60, min_op=30)
+                e2e_per_row=4, report=5, min_sessions=60, min_op=30, min_start=10)
 
 
 def test_a_roomy_budget_profiles_and_checks_every_batch():
@@ -49,10 +49,11 @@ def test_deadlines_count_from_the_start_and_the_end():
 
 
 def test_an_op_starts_only_with_its_minimum_left():
-    assert op_deadline(0, 300, 3, 60) == 100  # an equal share
-    assert op_deadline(0, 300, 10, 60) == 60  # at least the minimum, fewer ops finish
-    assert op_deadline(250, 300, 2, 60) is None  # 50 s left: not started
-    assert op_deadline(200, 300, 1, 60) == 300  # never past the sessions' end
+    assert op_deadline(0, 300, 3, 60, 20) == 100  # an equal share
+    assert op_deadline(0, 300, 10, 60, 20) == 60  # at least the minimum, fewer ops finish
+    assert op_deadline(250, 300, 2, 60, 20) == 300  # 50 s left: what is left
+    assert op_deadline(285, 300, 2, 60, 20) is None  # 15 s left: not started
+    assert op_deadline(200, 300, 1, 60, 20) == 300  # never past the sessions' end
 
 
 def test_shipped_costs_cover_both_kinds():
@@ -104,9 +105,11 @@ def test_the_loop_keeps_its_budget_with_stubbed_stages(tmp_path, monkeypatch):
     plan = plan_run(300, "cpu", (3, 1, 17))
     ends = plan.deadlines(start)
     assert calls["profile"] == [(plan.profile_batches, ends["profile"])]
-    # Each op started with at least its minimum left and ended by the sessions' deadline.
-    assert calls["ops"] and all(end <= ends["sessions"] and end - now >= costs.min_op - 1e-9
-                                for _, now, end in calls["ops"])
+    # Each op started with at least its start minimum left, ran at least its minimum where
+    # there was time, and ended by the sessions' deadline.
+    assert calls["ops"] and all(
+        end <= ends["sessions"] and end - now >= min(costs.min_op, ends["sessions"] - now) - 1e-9
+        and end - now >= costs.min_start for _, now, end in calls["ops"])
     assert calls["e2e"] == [(plan.e2e_batches, ends["e2e"])]
     assert clock.now <= start + 300
     state = json.loads((run_dir / "state.json").read_text())

@@ -304,6 +304,9 @@ class ServedStep:
                 runner.graphs.graphs.clear()
                 runner.graphs.logits.clear()
             self.engine = None  # type: ignore[assignment]
+            # The model's attention backend holds this engine's KV cache: let it go now, not
+            # when the next engine (which allocates its own cache first) replaces it.
+            self.model.attention_backend = beam.CausalAttention(self.model.ops)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
