@@ -214,12 +214,14 @@ def write_report(state: Any, ctx: Any) -> Path:
                   f"the timing noise); winners are "
                   f"{'accepted and locked' if ctx.auto_accept else 'candidates'}.", ""]
     lines += ["## Ops by time above the floor (summed over the profiled batch sizes)", "",
-              "| op | status | time µs | floor µs | gap µs | baseline | attempts | registered | "
-              "stop |", "|---|---|---|---|---|---|---|---|---|"]
+              "| op | status | time µs | floor µs | gap µs | gap µs per batch | baseline | "
+              "attempts | registered | stop |", "|---|---|---|---|---|---|---|---|---|---|"]
     for o in d["ops"]:
         regs = ", ".join(r["variant"] for r in o.get("registered") or []) or "-"
+        per = ", ".join(f"{b}: {_fmt(g.get('gap_us'), '.1f')}"
+                        for b, g in (o.get("by_batch") or {}).items()) or "-"
         lines.append(f"| {o['op']} | {o['status']} | {_fmt(o.get('time_us'))} | "
-                     f"{_fmt(o.get('floor_us'))} | {_fmt(o.get('gap_us'))} | "
+                     f"{_fmt(o.get('floor_us'))} | {_fmt(o.get('gap_us'))} | {per} | "
                      f"{o.get('baseline', '-')} | {o.get('attempts', 0)} | {regs} | "
                      f"{o.get('stop_reason') or o.get('note') or '-'} |")
     lines += ["", "## Attempts", "", "| op | # | candidate | verdict | speedup | outcome | "

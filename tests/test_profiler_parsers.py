@@ -373,3 +373,27 @@ def test_run_ncu_timeout_ends_the_child(monkeypatch, tmp_path):
     with pytest.raises(nsight.NcuError, match="did not finish within 1 s"):
         nsight.run_ncu("cpu-tiny", 1, 8, 40, out_dir=tmp_path / "rep", timeout_s=1)
     assert __import__("time").perf_counter() - start < 30
+
+
+def test_the_profiled_child_ranges_only_the_sampled_ops(monkeypatch, capsys):
+    """The process ncu profiles (autoopt.profiler.child): after its warm-up, every call of the
+    sampled ops, and nothing else, runs inside [autoopt_sample, <op>]."""
+    import torch
+
+    from autoopt.profiler import child
+
+    stack, seen = [], []
+
+    def push(name):
+        stack.append(name)
+        seen.append(tuple(stack))
+
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", push)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: stack.pop())
+    child.main(["--target", "cpu-tiny", "--batch", "2", "--layers", "6", "--ops",
+                "moe_experts,rmsnorm"])
+    assert "step done" in capsys.readouterr().out and stack == []
+    inner = [s for s in seen if len(s) == 2]
+    assert {s[1] for s in inner} == {"moe_experts", "rmsnorm"}
+    assert all(s[0] == nsight.SAMPLE_RANGE for s in inner)
+    assert [s[1] for s in inner].count("moe_experts") == 3  # layers 3-5 of 6 are MoE

@@ -2,10 +2,11 @@
 
 `python -m autoopt.profiler.child --target T --batch B --layers L --context C --ops a,b` builds
 the target's rank (same seed as the parent, so the same weights and routing), serves `batch`
-sequences through the engine (eager: the graph's static forward, as the parent's labelling pass
-runs it), warms up, then runs one step in which every call of the sampled ops is wrapped in the
-NVTX range `autoopt_sample` (nsight.SAMPLE_RANGE) inside its own op range; ncu profiles only
-kernels inside that range, at most `--launch-count` of them.
+sequences through the engine (the graph's static forward run eagerly, as the parent's labelling
+pass runs it), warms up, then runs one step in which every call of the sampled ops sits in the NVTX
+range `autoopt_sample` (nsight.SAMPLE_RANGE, outermost, as `autoopt_step` was for whole-step
+profiles) with the op's own range inside it (its label); no other range is open. ncu profiles
+only kernels inside that range, at most `--launch-count` of them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from model.ops import CONTRACTS, OpTable, set_nvtx
+from model.ops import CONTRACTS, OpTable
 
 from ..targets import load_target
 from .kernel_sets import kernel_set
@@ -25,18 +26,20 @@ from .served import ServedStep, ServeShape
 
 
 def sampled_table(ops: OpTable, names: set[str]) -> OpTable:
-    """`ops` with each call of `names` inside the sample range (every op when `names` is empty)."""
-    def wrap(fn: Callable) -> Callable:
+    """`ops` with each call of `names` (every op when empty) inside [SAMPLE_RANGE, op name]."""
+    def wrap(name: str, fn: Callable) -> Callable:
         def call(*args, **kwargs):
             torch.cuda.nvtx.range_push(SAMPLE_RANGE)
+            torch.cuda.nvtx.range_push(name)
             try:
                 return fn(*args, **kwargs)
             finally:
                 torch.cuda.nvtx.range_pop()
+                torch.cuda.nvtx.range_pop()
 
         return call
 
-    impls = {n: (wrap(ops.impl(n)) if not names or n in names else ops.impl(n))
+    impls = {n: (wrap(n, ops.impl(n)) if not names or n in names else ops.impl(n))
              for n in CONTRACTS}
     return OpTable(impls, ops.sources)
 
@@ -60,18 +63,16 @@ def main(argv: list[str] | None = None) -> None:
     ctx = a.context or t.contexts[0]
     rank = build_rank_model(t, a.layers, seed=a.seed)
     device = rank.model.device
-    table = kernel_set(a.kernels, device, a.registry).table
+    rank.model.set_ops(kernel_set(a.kernels, device, a.registry).table)
     names = {n for n in a.ops.split(",") if n}
-    served = ServedStep(rank.model, ServeShape(t.phase, a.batch, ctx, steps=4),
-                        cuda_graphs=False, seed=a.seed)
+    # With graphs, as the parent: the eager pass below is the graph's forward, capture-safe ops
+    # included.
+    served = ServedStep(rank.model, ServeShape(t.phase, a.batch, ctx, steps=4), seed=a.seed)
     served.start(a.batch)
-    rank.model.set_ops(table)
     served.step()  # warm-up, outside the range: ncu skips these kernels
-    rank.model.set_ops(sampled_table(table, names))
-    set_nvtx(True)
+    rank.model.set_ops(sampled_table(rank.model.ops, names))  # after capture-safe swaps, if any
     with served.eager():
         served.step()
-    set_nvtx(False)
     print(f"autoopt child: {a.target} batch {a.batch}, {rank.layers} layers: step done")
 
 
