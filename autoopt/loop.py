@@ -153,12 +153,9 @@ def served_batches(target: Any) -> tuple[int, ...]:
 def bench_shapes(target: Any, op: str) -> list[dict]:
     """The op's shape at every token bucket the target serves (tuned configs are kept per
     bucket: a bucket left untuned would run another bucket's config, never timed there)."""
-    from .profiler.nsight import sample_layers
-
-    layers = min(sample_layers(target), target.default_layers)
     out: list[dict] = []
     for b in served_batches(target):
-        shape = target.op_shapes(b, layers=layers).get(op)
+        shape = target.op_shapes(b).get(op)
         if shape and all(int(shape["T"]) != int(s["T"]) for s in out):
             out.append(dict(shape))
     return out

@@ -113,6 +113,18 @@ class Target:
                               f"{self.name}")
         return cfg if n == cfg.num_hidden_layers else cfg.replace(num_hidden_layers=n)
 
+    def kind_layers(self) -> int:
+        """The fewest leading layers that hold every layer kind (dense/MoE MLP, sliding/full
+        attention) of the target's model."""
+        cfg = self.config()
+        want = set(zip(cfg.layer_types, cfg.mlp_layer_types))
+        seen: set[tuple[str, str]] = set()
+        for i, kind in enumerate(zip(cfg.layer_types, cfg.mlp_layer_types)):
+            seen.add(kind)
+            if seen == want:
+                return i + 1
+        return cfg.num_hidden_layers
+
     @property
     def shard(self) -> ShardSpec:
         return preset(self.model).shard(self.tp, self.ep)
@@ -124,9 +136,10 @@ class Target:
     def op_shapes(self, batch: int, context: int | None = None,
                   layers: int | None = None) -> dict[str, dict[str, int]]:
         """One call's shape for every op the served step calls at `batch` (attention: a
-        full-attention layer's); `layers` only needs to hold every layer kind."""
+        full-attention layer's). Shapes do not depend on the layer count, so the step recorded
+        has only as many layers as hold every layer kind (default)."""
         shapes: dict[str, dict[str, int]] = {}
-        for call in self.step_calls(batch, layers=layers, context=context):
+        for call in self.step_calls(batch, layers=layers or self.kind_layers(), context=context):
             full_attention = call.name == "attention" and call.shape.get("W") == 0
             if call.name in CONTRACTS and (call.name not in shapes or full_attention):
                 shapes[call.name] = call.shape

@@ -266,14 +266,7 @@ def run_ncu(target: str, batch: int, layers: int, context: int, kernels: str = "
 
 def sample_layers(target) -> int:
     """The fewest layers that hold every layer kind (dense/MoE MLP, sliding/full attention)."""
-    cfg = target.config()
-    kinds: set[tuple[str, str]] = set()
-    want = set(zip(cfg.layer_types, cfg.mlp_layer_types))
-    for i, kind in enumerate(zip(cfg.layer_types, cfg.mlp_layer_types)):
-        kinds.add(kind)
-        if kinds == want:
-            return i + 1
-    return cfg.num_hidden_layers
+    return target.kind_layers()
 
 
 def sample_top_kernels(p, launch_count: int, registry=None, timeout_s: float = 300.0):
