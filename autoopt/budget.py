@@ -30,6 +30,11 @@ class Costs:
     min_op: float  # an op's session gets at least this long (one proposal verified, timed)
     min_start: float  # no op starts with less than this left (a cheap op may still finish)
 
+    def __post_init__(self) -> None:
+        bad = {k: v for k, v in vars(self).items() if not v >= 0}
+        if bad:
+            raise ValueError(f"stage costs must be seconds >= 0, got {bad}")
+
 
 COSTS = {
     # 2-core CPU, cpu-tiny (Triton interpreter; bf16 matmuls on the CPU), measured under load.
