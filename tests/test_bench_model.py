@@ -29,6 +29,7 @@ def bench(tmp_path_factory):
     return out, res.output, json.loads((out / "bench_model.json").read_text())
 
 
+@pytest.mark.slow
 def test_outputs_and_labels(bench):
     out, text, data = bench
     assert data["schema"] == "autoopt.bench_model/1" and data["target"] == "cpu-tiny"
@@ -41,6 +42,7 @@ def test_outputs_and_labels(bench):
     assert "model build" in text and "engine" in text
 
 
+@pytest.mark.slow
 def test_rows_are_served_steps_against_their_floor(bench):
     _, _, data = bench
     rows = {(r["batch"], r["kernels"]): r for r in data["rows"]}
