@@ -170,10 +170,18 @@ def test_candidate_page_shows_diff_evidence_plots_notes_and_transcript(server):
     assert c.get(f"/variant/{OP}/{NAME}/time-9.svg").status_code == 404
 
 
-def test_run_page_links_attempts_to_candidates_and_renders_the_report_safely(server):
+def test_run_page_links_attempts_to_candidates_and_renders_the_report_safely(server, demo):
+    _, runs = demo
+    other = {"attempt": {"index": 2, "op": OP, "candidate": "a02_x", "sha256": "0" * 64,
+                         "verdict": "pass", "outcome": f"registered {OP}/triton_v1 as candidate"}}
+    with (runs / RUN / "attempts.jsonl").open("a") as f:
+        f.write(json.dumps(other) + "\n{ half a line")
     c = client(server)
     html = c.get(f"/runs/{RUN}").text
     assert f'href="/variant/{OP}/{NAME}"' in html
+    # Another registry's variant of the same name is not this one: no link to it.
+    assert f"registered {OP}/triton_v1 as candidate" in html
+    assert f'href="/variant/{OP}/triton_v1"' not in html
     assert f'src="/runs/{RUN}/files/plots/time_per_op.png"' in html
     assert "<script>" not in html and "&lt;script&gt;" in html
     assert c.get(f"/runs/{RUN}/files/plots/time_per_op.png").headers["content-type"] == \
@@ -183,7 +191,8 @@ def test_run_page_links_attempts_to_candidates_and_renders_the_report_safely(ser
     assert c.get("/runs/%2E%2E").status_code == 404
     cand = c.get(f"/runs/{RUN}/candidates/{OP}/a01_rows").text
     assert "_swiglu_rows_kernel" in cand
-    assert RUN in c.get("/runs").text
+    index = c.get("/runs").text
+    assert RUN in index and f'href="/variant/{OP}/{NAME}"' in index
 
 
 def test_broken_record_is_an_error_page_not_a_crash(server, demo):

@@ -209,7 +209,7 @@ def _read_routes(app: FastAPI, ra: ReviewApp) -> None:
 
     @app.get("/runs", response_class=HTMLResponse)
     def runs_index(request: Request):
-        return ra.page(request, "runs.html", **pages.runs_index(ra.runs))
+        return ra.page(request, "runs.html", **pages.runs_index(ra.reg, ra.runs))
 
     @app.get("/runs/{run}", response_class=HTMLResponse)
     def run(request: Request, run: str):

@@ -111,8 +111,12 @@ def variant(reg: Registry, runs: Runs, op: str, name: str, arch: str | None) -> 
     }
 
 
-def runs_index(runs: Runs) -> dict[str, Any]:
-    return {"runs": [runs.summary(r) for r in runs.names()], "root": str(runs.root)}
+def runs_index(reg: Registry, runs: Runs) -> dict[str, Any]:
+    summaries = [runs.summary(r) for r in runs.names()]
+    for s in summaries:
+        for r in s["registered"]:
+            r["link"] = _registered_link(reg, (r["op"], r["variant"]), r["sha256"])
+    return {"runs": summaries, "root": str(runs.root)}
 
 
 def run(reg: Registry, runs: Runs, name: str) -> dict[str, Any]:
@@ -124,21 +128,26 @@ def run(reg: Registry, runs: Runs, name: str) -> dict[str, Any]:
     base = f"/runs/{name}/files"
     attempts = runs.attempts(name)
     for a in attempts:
-        a["link"] = _registered_link(reg, a.get("registered"))
+        a["link"] = _registered_link(reg, a.get("registered"), a.get("sha256"))
+        a["has_source"] = runs.has_candidate(name, str(a.get("op")), a.get("candidate"))
     produced = _produced(reg, name)
     return {"run": name, "summary": runs.summary(name), "state": runs.state(name),
             "report": render(report, base) if report else None, "attempts": attempts,
             "images": runs.images(name), "produced": produced}
 
 
-def _registered_link(reg: Registry, registered: tuple[str, str] | None) -> str | None:
+def _registered_link(reg: Registry, registered: tuple[str, str] | None, sha256: str | None
+                     ) -> str | None:
+    """The page of the variant an attempt registered, when this registry holds those bytes
+    under that name (another registry's variant of the same name is another variant)."""
     if not registered:
         return None
     op, name = registered
     try:
-        return f"/variant/{op}/{name}" if reg.read_record(op, name) is not None else None
+        rec = reg.read_record(op, name)
     except RegistryError:
         return None
+    return f"/variant/{op}/{name}" if rec is not None and rec.variant.sha256 == sha256 else None
 
 
 def _produced(reg: Registry, run: str) -> list[dict]:

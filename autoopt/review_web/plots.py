@@ -36,6 +36,8 @@ def _draw(group: TimingGroup, candidate: str, current: str) -> bytes:
     fig = Figure(figsize=(7.0, 3.4), dpi=100)
     ax = fig.subplots()
     labels = {"current_us": f"current ({current})", "median_us": f"candidate ({candidate})"}
+    if any(r.get("compile_from") for r in group.rows):
+        labels["compile_us"] = f"torch.compile (as timed for {current})"
     drawn = 0
     for key, label, color, marker, style in SERIES:
         pts = [(r["T"], r[key]) for r in group.rows

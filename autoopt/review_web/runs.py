@@ -121,7 +121,8 @@ class Runs:
                 "phase": state.get("phase"), "agent": args.get("agent"),
                 "attempts": len(attempts),
                 "passed": sum(a.get("verdict") == "pass" for a in attempts),
-                "registered": [a["registered"] for a in attempts if a["registered"]]}
+                "registered": [{"op": a["registered"][0], "variant": a["registered"][1],
+                                "sha256": a.get("sha256")} for a in attempts if a["registered"]]}
 
     def report(self, run: str) -> str | None:
         path = self.path(run) / "report.md"
