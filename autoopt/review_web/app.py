@@ -197,10 +197,10 @@ def _read_routes(app: FastAPI, ra: ReviewApp) -> None:
 
     @app.get("/variant/{op}/{name}/time-{index}.svg")
     def plot(op: str, name: str, index: int, arch: str | None = None):
-        v = pages.variant(ra.reg, ra.runs, op, name, arch)
-        if not 0 <= index < len(v["timings"]):
+        groups, current = pages.timings(ra.reg, op, name, arch)
+        if not 0 <= index < len(groups):
             raise pages.NotFound(f"{op}/{name} has no timing group {index}")
-        svg = time_per_bucket_svg(v["timings"][index], name, v["base_label"])
+        svg = time_per_bucket_svg(groups[index], name, current)
         return Response(svg, media_type="image/svg+xml")
 
     @app.get("/static-pygments.css")

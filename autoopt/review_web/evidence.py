@@ -89,8 +89,15 @@ def _check_rows(checks: Mapping[str, Any]) -> list[dict]:
     return rows
 
 
+def _count(v: Any) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return 0
+
+
 def _hist_rows(hist: Mapping[str, Any] | None) -> list[dict]:
-    counts = {str(k): int(v) for k, v in (hist or {}).items()}
+    counts = {str(k): _count(v) for k, v in (hist or {}).items()}
     total = sum(counts.values()) or 1
     keyed = sorted(counts.items(), key=lambda kv: (not kv[0].lstrip("-").isdigit(),
                                                    abs(int(kv[0])) if kv[0].lstrip("-")

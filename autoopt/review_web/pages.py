@@ -75,13 +75,28 @@ def diff_base(reg: Registry, rec: Record, arch: str) -> tuple[str, str, Record |
     return label, source, current
 
 
-def variant(reg: Registry, runs: Runs, op: str, name: str, arch: str | None) -> dict[str, Any]:
+def _record(reg: Registry, op: str, name: str, arch: str | None) -> tuple[Record, str, list]:
+    """The record, the arch the page compares on (default: the first it passed on, as
+    `registry show` does) and the archs it passed on."""
     rec = reg.read_record(op, name)
     if rec is None:
         known = ", ".join(reg.names(op)) if (reg.root / op).is_dir() else "none"
         raise NotFound(f"no record for {op}/{name} in {reg.root}; variants of {op}: {known}")
     passed = [a for a, v in rec.verdicts().items() if v == "pass"]
-    arch = arch or (passed[0] if passed else "cpu")
+    return rec, arch or (passed[0] if passed else "cpu"), passed
+
+
+def timings(reg: Registry, op: str, name: str, arch: str | None
+            ) -> tuple[list[evidence.TimingGroup], str]:
+    """The variant's timing groups beside what it would replace on `arch`, and that one's
+    label (what the plots draw)."""
+    rec, arch, _ = _record(reg, op, name, arch)
+    label, _, current = diff_base(reg, rec, arch)
+    return evidence.timing_groups(rec, current), label
+
+
+def variant(reg: Registry, runs: Runs, op: str, name: str, arch: str | None) -> dict[str, Any]:
+    rec, arch, passed = _record(reg, op, name, arch)
     state = registry_show.file_state(reg, op, name, rec)
     source = reg.read_variant(op, name)[1].decode() if state in ("ok", "MODIFIED") else ""
     base_label, base_source, current = diff_base(reg, rec, arch)
