@@ -11,8 +11,11 @@ transcript in the Claude agent's format: the conversation itself is made up for 
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 from model.registry import ConfigTable, Provenance, Registry, Verification, shipped_root, writers
@@ -22,6 +25,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 SHAPES = [{"T": 1, "I": 64}, {"T": 3, "I": 96}]
+FIXED = "2026-12-01T12:34:56+00:00"  # the writers' clock in byte-for-byte comparisons
 
 SOURCE = '''"""swiglu rows: out = bf(f32(g) / (1 + exp(-f32(g))) * f32(up)), ROWS tokens a program.
 
@@ -87,6 +91,23 @@ def judge(work: Path) -> tuple[dict, list[dict]]:
     rows = bench(OP, path, [("cpu-tiny", s) for s in SHAPES], "cpu", warmup=1, iters=3,
                  compile=False, timeout_s=300)
     return report, rows
+
+
+@functools.lru_cache(maxsize=1)
+def judged() -> tuple[dict, list[dict]]:
+    """`judge` once per test process (the HTTP and browser tests share it)."""
+    work = Path(tempfile.mkdtemp(prefix="review-web-"))
+    atexit.register(shutil.rmtree, work, True)
+    return judge(work)
+
+
+def cli(*args: str):
+    """`autoopt ...` in-process, wide enough that rich wraps nothing."""
+    from typer.testing import CliRunner
+
+    from autoopt.cli import app
+
+    return CliRunner().invoke(app, list(args), catch_exceptions=False, env={"COLUMNS": "240"})
 
 
 def build(root: Path, report: dict, rows: list[dict]) -> tuple[Registry, Path]:

@@ -5,40 +5,26 @@ The browser-driven tests are tests/test_review_web_browser.py."""
 
 from __future__ import annotations
 
-import atexit
-import functools
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from typer.testing import CliRunner
 
-from autoopt.cli import app as cli_app
 from autoopt.registry_cmd import listing
 from autoopt.review_web import Runs, prepare, security
 from autoopt.review_web.server import banner, in_thread
 from autoopt.review_web.sources import side_by_side
 from model.registry import shipped_root, writers
 
-from .review_web_support import NAME, OP, RUN, build, files, judge
+from .review_web_support import FIXED, NAME, OP, RUN, build, cli, files, judged
 
 pytestmark = pytest.mark.slow  # the judge and the timer run once (~15 s), then each server ~1 s
-FIXED = "2026-12-01T12:34:56+00:00"
-
-
-@functools.lru_cache(maxsize=1)
-def judged() -> tuple[dict, list[dict]]:
-    work = Path(tempfile.mkdtemp(prefix="review-web-"))
-    atexit.register(shutil.rmtree, work, True)
-    return judge(work)
 
 
 @pytest.fixture
@@ -71,11 +57,6 @@ def csrf_of(html: str) -> str:
 def post(c: httpx.Client, served, path: str, data: dict, origin: str | None = "self"):
     headers = {"Origin": served.base if origin == "self" else origin} if origin else {}
     return c.post(path, data=data, headers=headers)
-
-
-def cli(*args: str):
-    return CliRunner().invoke(cli_app, list(args), catch_exceptions=False,
-                              env={"COLUMNS": "240"})
 
 
 # ---- the token, Host, Origin, CSRF -------------------------------------------------------------

@@ -14,8 +14,18 @@ from autoopt.review_web import Runs, prepare
 from autoopt.review_web.server import in_thread
 from model.registry import writers
 
-from .review_web_support import CHROMIUM, CHROMIUM_ARGS, NAME, OP, RUN, build, files
-from .test_review_web import FIXED, cli, judged
+from .review_web_support import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    FIXED,
+    NAME,
+    OP,
+    RUN,
+    build,
+    cli,
+    files,
+    judged,
+)
 
 pytestmark = [
     pytest.mark.slow,
