@@ -253,7 +253,8 @@ def router_fwd(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_grou
     id_out = torch.empty((t, top_k), dtype=torch.int64, device=h.device)
     if t == 0:
         return w_out, id_out
-    block_t, block_e, block_k = int(cfg["BLOCK_T"]), min(int(cfg["BLOCK_E"]), e), int(cfg["BLOCK_K"])
+    block_t, block_k = int(cfg["BLOCK_T"]), int(cfg["BLOCK_K"])
+    block_e = min(int(cfg["BLOCK_E"]), e)
     split = max(1, min(int(cfg["SPLIT_K"]), triton.cdiv(hid, block_k)))
     k_steps = triton.cdiv(triton.cdiv(hid, split), block_k)
     use_dot = block_t >= 16 and block_e >= 16 and block_k >= 16
