@@ -211,3 +211,16 @@ def test_gpu_fused_path_under_cuda_graphs(mod, t):
         torch.cuda.synchronize()
         assert torch.equal(out[1], first[1])
         assert torch.equal(out[0].view(torch.int32), first[0].view(torch.int32))
+
+
+@pytest.mark.slow
+def test_gpu_script_dry_run(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "router_cute_gpu.py"),
+                           "--dry-run", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((tmp_path / "router_cute.json").read_text())
+    routers = [r for r in report["rows"] if r["op"] == "router"]
+    assert [r["T"] for r in routers] == [1, 5] and all(r["passed"] for r in routers)
+    assert "| router | triton_v1 | 1 | yes |" in (tmp_path / "router_cute.md").read_text()
