@@ -7,6 +7,7 @@ harness's own code (autoopt.eval.numerics), so these tests and `autoopt verify` 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -224,3 +225,71 @@ def test_gpu_script_dry_run(tmp_path):
     routers = [r for r in report["rows"] if r["op"] == "router"]
     assert [r["T"] for r in routers] == [1, 5] and all(r["passed"] for r in routers)
     assert "| router | triton_v1 | 1 | yes |" in (tmp_path / "router_cute.md").read_text()
+
+
+# --- the template agent's router family --------------------------------------------------------
+
+def _render_template(tmp_path):
+    from autoopt.agents.template import CATALOG
+
+    (spec,) = CATALOG["router"]
+    src = spec.render()
+    assert "{{" not in src and src == spec.render()
+    path = tmp_path / "router_splitk.py"
+    path.write_text(src)
+    m = importlib.util.module_from_spec(importlib.util.spec_from_file_location("rt", path))
+    m.__spec__.loader.exec_module(m)
+    return spec, m, path
+
+
+def test_template_renders_and_tuned_configs_stay_in_policy(tmp_path):
+    spec, m, _ = _render_template(tmp_path)
+    space = spec.space()
+    assert m.CONFIG_SPACE == space and all(k in space for k in spec.default())
+    args = C.make_inputs({"T": 9, "H": 320, "E": 256}, 8)
+    ref = C.reference(*args)
+    for cfg in ({}, {"FUSE": 1, "SPLIT_K": 5, "BLOCK_T": 16, "BLOCK_E": 32, "BLOCK_K": 64},
+                {"FUSE": 0, "SPLIT_K": 40, "BLOCK_K": 32, "SEL_T": 8, "SEL_WARPS": 4}):
+        assert all(v in space[k] for k, v in cfg.items())
+        check(args, m.run(*args, config=cfg), ref)
+
+
+@pytest.mark.slow
+def test_template_and_triton_v1_compile_for_sm90(tmp_path):
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.is_file():
+        pytest.skip("no ptxas bundled with triton here")
+    _, _, rendered = _render_template(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    for path in (ROOT / "kernels" / "router" / "triton_v1.py", rendered):
+        res = subprocess.run([sys.executable, "-c", _SM90, str(path)], env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0 and res.stdout.count("ok") == 4, res.stderr[-3000:]
+
+
+# The fused decode kernel (FMA GEMV + atomic counter + selection), the tl.dot prefill GEMV and
+# the selection kernel, compiled to sm_90 PTX without a GPU.
+_SM90 = '''
+import importlib.util, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+spec = importlib.util.spec_from_file_location("v", sys.argv[1])
+m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
+P, F, N, C = "*bf16", "*fp32", "i32", "constexpr"
+base = dict(E=256, NG=8, TOPK_GROUP=4, TOP_K=8, ON_GPU=True)
+def go(fn, types, cx):
+    k = triton.compile(ASTSource(fn, dict(zip(fn.arg_names, types)), cx),
+                       target=GPUTarget("cuda", 90, 32))
+    assert ".target sm_90" in k.asm["ptx"]
+    print("ok")
+gemv = [P, F, F, F, F, "*i64", "*i32", N, N, N, N] + [C] * 13
+for cfg in (dict(BLOCK_T=1, BLOCK_E=16, BLOCK_K=256, K_STEPS=1, USE_DOT=False, FUSE=True),
+            dict(BLOCK_T=8, BLOCK_E=16, BLOCK_K=64, K_STEPS=4, USE_DOT=False, FUSE=True),
+            dict(BLOCK_T=64, BLOCK_E=64, BLOCK_K=32, K_STEPS=160, USE_DOT=True, FUSE=False)):
+    go(m._router_gemv_kernel, gemv, {**base, **cfg, "H_BF16": True, "SEL_T": cfg["BLOCK_T"]})
+go(m._router_select_kernel, [F, F, F, "*i64", N, N] + [C] * 6, {**base, "SEL_T": 4})
+'''
