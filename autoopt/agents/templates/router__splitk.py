@@ -211,10 +211,10 @@ def default_config(t: int) -> dict:
     if t <= _FUSE_MAX_T:
         return {"BLOCK_T": triton.next_power_of_2(t), "BLOCK_E": 16, "BLOCK_K": 64,
                 "SPLIT_K": 20, "FUSE": 1, "SEL_T": 8, "num_warps": 4, "SEL_WARPS": 4}
-    if t <= 64:
-        return {"BLOCK_T": 16 if t <= 16 else 32, "BLOCK_E": 32, "BLOCK_K": 32, "SPLIT_K": 10,
-                "FUSE": 0, "SEL_T": 1, "num_warps": 4, "SEL_WARPS": 1}
-    return {"BLOCK_T": 64, "BLOCK_E": 64, "BLOCK_K": 32, "SPLIT_K": 1, "FUSE": 0, "SEL_T": 1,
+    if t <= 64:  # ~160 programs of 256-wide H slices; FP32 tl.dot over BLOCK_T tokens
+        return {"BLOCK_T": max(16, triton.next_power_of_2(t)), "BLOCK_E": 32, "BLOCK_K": 32,
+                "SPLIT_K": 20, "FUSE": 0, "SEL_T": 1, "num_warps": 4, "SEL_WARPS": 1}
+    return {"BLOCK_T": 64, "BLOCK_E": 32, "BLOCK_K": 32, "SPLIT_K": 2, "FUSE": 0, "SEL_T": 1,
             "num_warps": 4, "SEL_WARPS": 1}
 
 
