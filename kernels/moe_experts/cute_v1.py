@@ -260,8 +260,11 @@ def _compiled(block_m: int, block_n: int, w_shape: tuple, a, b, c, tiles, stream
 
 
 def _as_cute(t: torch.Tensor):
-    # 16-byte aligned base; M (rows) dynamic so one compiled launcher serves every T.
-    return from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=1)
+    """A row-major [M, X] matrix as the GEMM's (M, X, L=1) operand, strides (X, 1, M*X) as the
+    compiled layout expects; M (and X) dynamic so one compiled launcher serves every T."""
+    m, x = t.shape
+    view = t.as_strided((m, x, 1), (x, 1, m * x))
+    return from_dlpack(view, assumed_align=16).mark_layout_dynamic(leading_dim=1)
 
 
 def moe_experts_gemm(a: torch.Tensor, w: torch.Tensor, tiles: torch.Tensor, block_m: int,
@@ -270,9 +273,8 @@ def moe_experts_gemm(a: torch.Tensor, w: torch.Tensor, tiles: torch.Tensor, bloc
     m, k = a.shape
     n = w.shape[1]
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    ca = _as_cute(a.unsqueeze(-1))                       # (M, K, 1), K-major
-    cb = from_dlpack(w.permute(1, 2, 0), assumed_align=16)  # (N, K, E), K-major
-    cc = _as_cute(c.unsqueeze(-1))                       # (M, N, 1), N-major
+    ca, cc = _as_cute(a), _as_cute(c)
+    cb = from_dlpack(w.permute(1, 2, 0), assumed_align=16)  # (N, K, E), K-major, static
     ct = from_dlpack(tiles, assumed_align=4).mark_layout_dynamic()
     stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
     _compiled(block_m, block_n, tuple(w.shape), ca, cb, cc, ct, stream)(ca, cb, cc, ct, stream)
