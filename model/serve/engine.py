@@ -48,6 +48,7 @@ class EngineConfig:
     tp: int = 1  # tensor-parallel ranks (model/serve/tp_worker.py starts them)
     ep: int = 1  # expert parallelism: 1 (experts split by TP) or tp (experts split across ranks)
     attention_backend: str = "auto"  # auto | torch | flashinfer (model/serve/flashinfer_attention)
+    registry: str | None = None  # the registry DIR kernels and their lock come from (None: default)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -90,6 +91,7 @@ def load_engine_model(config: EngineConfig) -> BeamForCausalLM:
     kwargs = {"dtype": config.torch_dtype, "device": str(config.resolved_device())}
     if "kernels" in inspect.signature(weights.load_model).parameters:
         kwargs["kernels"] = config.kernels
+        kwargs["registry"] = config.registry
     return weights.load_model(config.model, **kwargs)
 
 
