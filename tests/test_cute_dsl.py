@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from model import cute_dsl
+from model.registry import cute as cute_dsl
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_dsl = pytest.mark.skipif(cute_dsl.unavailable() is not None,

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from autoopt.eval.numerics import OutputStats, effective_policy, judge
-from model import cute_dsl
 from model.ops import CONTRACTS
+from model.registry import cute as cute_dsl
 
 ROOT = Path(__file__).resolve().parents[1]
 C = CONTRACTS["moe_experts"]

@@ -15,12 +15,11 @@ caches the loaded variant per (source sha256, arch), so a variant's bytes are ex
 - `cute_variants(root)`: every `LANGUAGE = "cute"` variant under a registry directory.
 
 The CPU path never imports cutlass: it is imported only inside the functions that compile.
-`python -m model.cute_dsl FILE [ARCH]` is the child's entry point (prints one JSON line).
+`python -m model.registry.cute FILE [ARCH]` is the child's entry point (prints one JSON line).
 """
 
 from __future__ import annotations
 
-import ast
 import builtins
 import hashlib
 import importlib.util
@@ -33,6 +32,9 @@ import sys
 import types
 from collections.abc import Callable
 from pathlib import Path
+
+from .languages import read_declarations
+from .names import RegistryError
 
 DIST = "nvidia-cutlass-dsl"
 _ARCH = re.compile(r"^sm_(\d+)a?$")
@@ -55,13 +57,11 @@ def dsl_arch(arch: str) -> str:
 
 
 def declared_language(source: str) -> str | None:
-    """The file's top-level `LANGUAGE = "..."` literal, read without running it."""
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.Assign) and any(
-                isinstance(t, ast.Name) and t.id == "LANGUAGE" for t in node.targets):
-            value = node.value
-            return value.value if isinstance(value, ast.Constant) else None
-    return None
+    """The file's LANGUAGE (the registry's static read; None when the file is not valid)."""
+    try:
+        return read_declarations(source).language
+    except RegistryError:
+        return None
 
 
 def cute_variants(root: str | Path) -> list[Path]:
@@ -102,10 +102,10 @@ def check_compiles(path: str | Path, arch: str = "sm_90a", timeout: float = 600.
     if (why := unavailable()) is not None:
         return [f"{path}: not checked: {why}"]
     env = {**os.environ, "CUTE_DSL_ARCH": dsl_arch(arch)}
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     try:
-        proc = subprocess.run([sys.executable, "-m", "model.cute_dsl", str(path), arch],
+        proc = subprocess.run([sys.executable, "-m", "model.registry.cute", str(path), arch],
                               env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return [f"{path}: compiling for {arch} took more than {timeout:.0f} s"]
