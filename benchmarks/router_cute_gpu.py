@@ -11,7 +11,9 @@ Experts: when nvidia-cutlass-dsl imports, moe_experts cute_v1 against the refere
 capture-safe grouped_mm path at T = 64, 256, 2048 (E=256, H=5120, I=320, k=8): policy,
 time, kernels per call.
 Writes $OUT/router_cute.json and $OUT/router_cute.md and prints the table last. Exit 0 when
-everything that ran passed its policy.
+everything that ran passed its policy; a case that raises is a failed row with its traceback.
+nvidia-cutlass-dsl installed with `pip install --target DIR` needs
+PYTHONPATH=DIR:DIR/nvidia_cutlass_dsl/dsl_packages (its .pth file is not read from a target dir).
 
 `--dry-run` runs the same code on CPU with small widths (Triton interpreter; the CuTe GEMM
 replaced by a torch stand-in; timings not meaningful).
@@ -25,6 +27,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,6 +48,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=220.0, help="Stop starting cases after this.")
     p.add_argument("--skip-moe", action="store_true")
     return p.parse_args(argv)
+
+
+def guarded(label: dict, fn: Callable, *args) -> dict:
+    """One case's row; an exception becomes a failed row (the rest of the run still happens)."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # a GPU-only failure must not cost the other cases' numbers
+        tb = traceback.format_exc().strip().splitlines()[-12:]
+        return {**label, "passed": False, "reasons": [f"{type(exc).__name__}: {exc}"[:2000]],
+                "traceback": tb, "variant_us": None}
 
 
 def load_file(path: Path, name: str):
@@ -188,8 +201,10 @@ def reference_moe(t: int, device: str, dry: bool) -> dict:
 
 def with_ratios(rows: list[dict]) -> list[dict]:
     """Each experts row gets the reference's time and its speed-up over it and grouped_mm."""
-    by = {r["variant"]: r["variant_us"] for r in rows}
+    by = {r["variant"]: r["variant_us"] for r in rows if r.get("variant_us")}
     for r in rows:
+        if not r.get("variant_us"):
+            continue
         if "reference" in by and r["variant"] != "reference":
             r.update(reference_us=by["reference"], speedup=by["reference"] / r["variant_us"])
         if "grouped_mm" in by and r["variant"] != "grouped_mm":
@@ -234,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         if time.monotonic() > deadline:
             skipped.append(f"router T={t}: time budget")
             continue
-        rows.append(router_case(router, t, device, ceilings, dry))
+        rows.append(guarded({"op": "router", "variant": "triton_v1", "T": t}, router_case,
+                            router, t, device, ceilings, dry))
     moe_note = "experts skipped (--skip-moe)"
     if not args.skip_moe:
         impls, why = moe_impls(device)
@@ -246,9 +262,11 @@ def main(argv: list[str] | None = None) -> int:
                 if time.monotonic() > deadline:
                     skipped.append(f"moe_experts {name} T={t}: time budget")
                     continue
-                got.append(moe_case(name, fn, t, device, ceilings, dry))
+                got.append(guarded({"op": "moe_experts", "variant": name, "T": t}, moe_case,
+                                   name, fn, t, device, ceilings, dry))
             if time.monotonic() <= deadline and impls:
-                got.append(reference_moe(t, device, dry))
+                got.append(guarded({"op": "moe_experts", "variant": "reference", "T": t},
+                                   reference_moe, t, device, dry))
             rows += with_ratios(got)
     gpu = torch.cuda.get_device_name() if not dry else "cpu (dry run: not meaningful)"
     meta = {"gpu": gpu, "copy_tb_s": round(ceilings.copy_bytes_s / 1e12, 2) if ceilings else None,
