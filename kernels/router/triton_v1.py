@@ -223,12 +223,12 @@ def _check(h, weight, bias, n_group: int, topk_group: int, top_k: int) -> None:
 
 def default_config(t: int) -> dict:
     """Decode streams the weight over ~all SMs; prefill tiles tokens for tl.dot."""
-    if t <= 2:
+    if t <= 2:  # 320 programs, each one 16 KB weight load issued at once (K_STEPS = 1)
         return {"BLOCK_T": 1 if t <= 1 else 2, "BLOCK_E": 16, "BLOCK_K": 256, "SPLIT_K": 20,
                 "FUSE": 1, "SEL_T": 2, "num_warps": 4, "SEL_WARPS": 1}
-    if t <= _FUSE_MAX_T:
-        return {"BLOCK_T": triton.next_power_of_2(t), "BLOCK_E": 16, "BLOCK_K": 64,
-                "SPLIT_K": 20, "FUSE": 1, "SEL_T": 8, "num_warps": 4, "SEL_WARPS": 4}
+    if t <= _FUSE_MAX_T:  # one 8 KB weight load per program, all issued at once (K_STEPS = 1)
+        return {"BLOCK_T": triton.next_power_of_2(t), "BLOCK_E": 8, "BLOCK_K": 256,
+                "SPLIT_K": 20, "FUSE": 1, "SEL_T": 8, "num_warps": 8, "SEL_WARPS": 4}
     if t <= 64:  # ~160 programs of 256-wide H slices; FP32 tl.dot over BLOCK_T tokens
         return {"BLOCK_T": max(16, triton.next_power_of_2(t)), "BLOCK_E": 32, "BLOCK_K": 32,
                 "SPLIT_K": 20, "FUSE": 0, "SEL_T": 1, "num_warps": 4, "SEL_WARPS": 1}
