@@ -286,10 +286,11 @@ def go(fn, types, cx):
                        target=GPUTarget("cuda", 90, 32))
     assert ".target sm_90" in k.asm["ptx"]
     print("ok")
-gemv = [P, F, F, F, F, "*i64", "*i32", N, N, N, N] + [C] * 13
+gemv = [P, F, F, F, F, "*i64", "*i32", N, N, N, N] + [C] * 14
 for cfg in (dict(BLOCK_T=1, BLOCK_E=16, BLOCK_K=256, K_STEPS=1, USE_DOT=False, FUSE=True),
-            dict(BLOCK_T=8, BLOCK_E=16, BLOCK_K=64, K_STEPS=4, USE_DOT=False, FUSE=True),
+            dict(BLOCK_T=8, BLOCK_E=8, BLOCK_K=256, K_STEPS=1, USE_DOT=False, FUSE=True),
             dict(BLOCK_T=64, BLOCK_E=64, BLOCK_K=32, K_STEPS=160, USE_DOT=True, FUSE=False)):
-    go(m._router_gemv_kernel, gemv, {**base, **cfg, "H_BF16": True, "SEL_T": cfg["BLOCK_T"]})
-go(m._router_select_kernel, [F, F, F, "*i64", N, N] + [C] * 6, {**base, "SEL_T": 4})
+    go(m._router_gemv_kernel, gemv, {**base, **cfg, "H_BF16": True, "SEL_T": cfg["BLOCK_T"],
+                                     "SPLIT": 5120 // (cfg["K_STEPS"] * cfg["BLOCK_K"])})
+go(m._router_select_kernel, [F, F, F, "*i64", N] + [C] * 7, {**base, "SEL_T": 4, "SPLIT": 20})
 '''

@@ -78,7 +78,7 @@ def _key(c, cols, E: tl.constexpr):
 
 
 @triton.jit
-def _route_tokens(part_ptr, bias_ptr, w_out_ptr, id_out_ptr, t0, T, SPLIT,
+def _route_tokens(part_ptr, bias_ptr, w_out_ptr, id_out_ptr, t0, T, SPLIT: tl.constexpr,
                   E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr,
                   TOP_K: tl.constexpr, SEL_T: tl.constexpr, ON_GPU: tl.constexpr):
     GS: tl.constexpr = E // NG
@@ -87,7 +87,9 @@ def _route_tokens(part_ptr, bias_ptr, w_out_ptr, id_out_ptr, t0, T, SPLIT,
     m = (toks < T)[:, None]
     offs = toks.to(tl.int64)[:, None] * E + cols[None, :]
     logits = tl.zeros([SEL_T, E], dtype=tl.float32)
-    for s in range(SPLIT):  # partial sums added in split order (L2 reads: written by other SMs)
+    # Partial sums added in split order; unrolled so all SPLIT loads (L2: written by other SMs)
+    # are in flight together instead of one round trip per split.
+    for s in tl.static_range(SPLIT):
         logits += tl.load(part_ptr + s * T * E + offs, mask=m, other=0.0, cache_modifier=".cg")
     scores = tl.div_rn(tl.full([SEL_T, E], 1.0, tl.float32), 1.0 + _exp(-logits, ON_GPU))
     c = scores + tl.load(bias_ptr + cols)[None, :]
@@ -129,7 +131,8 @@ def _router_gemv_kernel(h_ptr, wt_ptr, part_ptr, bias_ptr, w_out_ptr, id_out_ptr
                         T, H, stride_h, stride_w,
                         E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr,
                         TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                        BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, H_BF16: tl.constexpr,
+                        BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, SPLIT: tl.constexpr,
+                        H_BF16: tl.constexpr,
                         USE_DOT: tl.constexpr, FUSE: tl.constexpr, SEL_T: tl.constexpr,
                         ON_GPU: tl.constexpr):
     pe, pk, pt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -160,13 +163,13 @@ def _router_gemv_kernel(h_ptr, wt_ptr, part_ptr, bias_ptr, w_out_ptr, id_out_ptr
         if done == total - 1:
             tl.debug_barrier()
             for t0 in range(0, T, SEL_T):
-                _route_tokens(part_ptr, bias_ptr, w_out_ptr, id_out_ptr, t0, T,
-                              tl.num_programs(1), E, NG, TOPK_GROUP, TOP_K, SEL_T, ON_GPU)
+                _route_tokens(part_ptr, bias_ptr, w_out_ptr, id_out_ptr, t0, T, SPLIT,
+                              E, NG, TOPK_GROUP, TOP_K, SEL_T, ON_GPU)
             tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next call
 
 
 @triton.jit
-def _router_select_kernel(part_ptr, bias_ptr, w_out_ptr, id_out_ptr, T, SPLIT,
+def _router_select_kernel(part_ptr, bias_ptr, w_out_ptr, id_out_ptr, T, SPLIT: tl.constexpr,
                           E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr,
                           TOP_K: tl.constexpr, SEL_T: tl.constexpr, ON_GPU: tl.constexpr):
     _route_tokens(part_ptr, bias_ptr, w_out_ptr, id_out_ptr, tl.program_id(0) * SEL_T, T, SPLIT,
@@ -248,13 +251,13 @@ def router_fwd(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_grou
     meta = dict(E=e, NG=n_group, TOPK_GROUP=topk_group, TOP_K=top_k, ON_GPU=h.is_cuda)
     _router_gemv_kernel[grid](
         h, weight, part, bias, w_out, id_out, counter, t, hid, h.stride(0), weight.stride(0),
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, K_STEPS=k_steps,
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, K_STEPS=k_steps, SPLIT=split,
         H_BF16=h.dtype == torch.bfloat16, USE_DOT=use_dot, FUSE=fuse, SEL_T=sel_t,
         num_warps=int(cfg["num_warps"]), **meta,
     )
     if not fuse:
         _router_select_kernel[(triton.cdiv(t, sel_t),)](
-            part, bias, w_out, id_out, t, split, SEL_T=sel_t, num_warps=int(cfg["SEL_WARPS"]),
+            part, bias, w_out, id_out, t, SPLIT=split, SEL_T=sel_t, num_warps=int(cfg["SEL_WARPS"]),
             **meta,
         )
     return w_out, id_out
