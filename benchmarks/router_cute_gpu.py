@@ -36,6 +36,15 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 ROUTER_TOKENS = (1, 2, 4, 8, 16, 32, 64, 2048)
+# A few decode configs next to the defaults (the defaults were chosen without a GPU): timed only,
+# every config is the same function (tests/test_kernels_router.py checks that on CPU).
+SWEEP = {
+    1: [{"num_warps": 4, "BLOCK_E": 16}, {"num_warps": 2, "BLOCK_E": 8},
+        {"num_warps": 4, "BLOCK_E": 8, "SPLIT_K": 40, "BLOCK_K": 128},
+        {"FUSE": 0, "num_warps": 4, "BLOCK_E": 16}],
+    8: [{"num_warps": 4, "BLOCK_E": 8}, {"num_warps": 4, "BLOCK_E": 16, "BLOCK_K": 64},
+        {"num_warps": 8, "BLOCK_E": 8, "SPLIT_K": 40, "BLOCK_K": 128}, {"FUSE": 0}],
+}
 MOE_TOKENS = (64, 256, 2048)
 DRY_ROUTER = {"H": 320, "E": 256, "n_group": 8, "topk_group": 4, "top_k": 8}
 DRY_MOE = {"H": 64, "E": 16, "I": 32, "k": 8}
@@ -117,6 +126,10 @@ def router_case(mod, t: int, device: str, ceilings, dry: bool) -> dict:
     tr = time_callable(c.reference, sets, device=device, iters=5 if dry else 50)
     floor = floor_us(c, shape, ceilings) if ceilings else None
     one = c.make_inputs(shape, 7, device)
+    sweep = []
+    for cfg in [] if dry else SWEEP.get(t, []):
+        run = lambda *a, cfg=cfg: mod.run(*a, config=cfg)  # noqa: E731
+        sweep.append({"config": cfg, "us": time_callable(run, sets, device=device).median_us})
     return {"op": "router", "variant": "triton_v1", "T": t, "shape": shape,
             "passed": not reasons, "reasons": reasons, "tie_rows": len(ties),
             "weights": stats.to_dict(), "variant_us": tv.median_us, "variant_iqr_us": tv.iqr_us,
@@ -124,7 +137,8 @@ def router_case(mod, t: int, device: str, ceilings, dry: bool) -> dict:
             "floor_us": floor, "pct_of_floor": 100 * floor / tv.median_us if floor else None,
             "x_floor": tv.median_us / floor if floor else None, "method": tv.method,
             "kernels": kernels_per_call(mod.run, one, device),
-            "reference_kernels": kernels_per_call(c.reference, one, device)}
+            "reference_kernels": kernels_per_call(c.reference, one, device),
+            "default_config": mod.default_config(t), "sweep": sweep}
 
 
 def moe_impls(device: str) -> tuple[dict[str, Callable], str | None]:
@@ -227,7 +241,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
                    f"| {f('reference_kernels', '{}')} | {f('tie_rows', '{}')} |")
     failed = [f"- {r['op']} {r['variant']} T={r['T']}: {'; '.join(r['reasons'])}"
               for r in rows if not r["passed"]]
-    return "\n".join(out + ([""] + failed if failed else [])) + "\n"
+    sweeps = [f"- router T={r['T']}: default {r['variant_us']:.2f} us; "
+              + "; ".join(f"{json.dumps(x['config'])} {x['us']:.2f} us" for x in r["sweep"])
+              for r in rows if r.get("sweep")]
+    return "\n".join(out + ([""] + failed if failed else []) + ([""] + sweeps if sweeps else [])
+                     ) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -108,22 +108,24 @@ def _route_tokens(part_ptr, bias_ptr, w_out_ptr, id_out_ptr, t0, T, SPLIT: tl.co
     keep = tl.sum(beats.to(tl.int32), axis=2) < TOPK_GROUP
     keep_e = tl.reshape(tl.broadcast_to(keep[:, :, None], [SEL_T, NG, GS]), [SEL_T, E])
     key = tl.where(keep_e, _key(c, cols[None, :], E), -(2**62))
+    # The scores go to this CTA's own split-0 rows (read above, needed by nobody else), so the
+    # top-k loop costs one max reduction per slot and the weights are one gather at the end.
+    tl.store(part_ptr + offs, scores, mask=m)
     slot = tl.arange(0, TOP_K)[None, :]
-    ids = tl.zeros([SEL_T, TOP_K], dtype=tl.int64)
-    w = tl.zeros([SEL_T, TOP_K], dtype=tl.float32)
+    ids = tl.zeros([SEL_T, TOP_K], dtype=tl.int32)
     for j in tl.static_range(TOP_K):  # top_k by repeated arg-max, descending
         best = tl.max(key, axis=1)
         idx = E - 1 - best.to(tl.int32)  # the low word: E - 1 - expert
-        hit = cols[None, :] == idx[:, None]
-        wj = tl.sum(tl.where(hit, scores, 0.0), axis=1)  # exact: one non-zero term
-        key = tl.where(hit, -(2**62), key)
-        ids = tl.where(slot == j, idx.to(tl.int64)[:, None], ids)
-        w = tl.where(slot == j, wj[:, None], w)
+        key = tl.where(cols[None, :] == idx[:, None], -(2**62), key)
+        ids = tl.where(slot == j, idx[:, None], ids)
+    tl.debug_barrier()  # every thread's score stores before any thread's gather
+    w = tl.load(part_ptr + toks.to(tl.int64)[:, None] * E + ids, mask=m, other=1.0,
+                cache_modifier=".cg")
     denom = _tree_sum(w, TOP_K) + 1e-20
     w = tl.div_rn(w, tl.broadcast_to(denom[:, None], [SEL_T, TOP_K]))
     out = toks.to(tl.int64)[:, None] * TOP_K + slot
     tl.store(w_out_ptr + out, w, mask=m)
-    tl.store(id_out_ptr + out, ids, mask=m)
+    tl.store(id_out_ptr + out, ids.to(tl.int64), mask=m)
 
 
 @triton.jit
@@ -208,9 +210,10 @@ def _check(h, weight, bias, n_group: int, topk_group: int, top_k: int) -> None:
 
 def default_config(t: int) -> dict:
     """Decode streams the weight over ~all SMs; prefill tiles tokens for tl.dot."""
-    if t <= 2:  # 320 programs, each one 16 KB weight load issued at once (K_STEPS = 1)
-        return {"BLOCK_T": 1 if t <= 1 else 2, "BLOCK_E": 16, "BLOCK_K": 256, "SPLIT_K": 20,
-                "FUSE": 1, "SEL_T": 2, "num_warps": 4, "SEL_WARPS": 1}
+    if t <= 2:  # 640 one-warp programs, each one 8 KB weight load issued at once (K_STEPS = 1);
+        # one warp also keeps the fused selection's reductions inside a warp (no barriers)
+        return {"BLOCK_T": 1 if t <= 1 else 2, "BLOCK_E": 8, "BLOCK_K": 256, "SPLIT_K": 20,
+                "FUSE": 1, "SEL_T": 2, "num_warps": 1, "SEL_WARPS": 1}
     if t <= _FUSE_MAX_T:  # one 8 KB weight load per program, all issued at once (K_STEPS = 1)
         return {"BLOCK_T": triton.next_power_of_2(t), "BLOCK_E": 8, "BLOCK_K": 256,
                 "SPLIT_K": 20, "FUSE": 1, "SEL_T": 8, "num_warps": 8, "SEL_WARPS": 4}
