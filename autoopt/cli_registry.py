@@ -152,3 +152,29 @@ def lock(
 def migrate(registry: Path = _REGISTRY) -> None:
     """Rewrite a registry written by an older autoopt in the current schema (evidence kept)."""
     _run("migrate", root=registry)
+
+
+@registry_app.command("serve")
+def serve(
+    registry: Path = _REGISTRY,
+    runs_dir: Path = typer.Option(None, "--runs-dir", help="Optimize runs to show (default: "
+                                  "$AUTOOPT_RUNS_DIR, the checkout's runs/, or your per-user "
+                                  "runs)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on; anything but loopback "
+                             "is served with a warning."),
+    port: int = typer.Option(8765, help="Port (0 takes a free one)."),
+) -> None:
+    """Review in the browser: the registry by op, each candidate's diff beside its evidence,
+    its optimize run; accept, reject and lock as the commands here do. Prints the URL with its
+    access token."""
+    from . import env
+    from .review_web import serve as serve_web
+
+    err = Console(stderr=True)
+    try:
+        serve_web(env.open_registry(registry), runs_dir or env.runs_dir(), host, port,
+                  say=lambda t: console.print(t, highlight=False, markup=False, soft_wrap=True),
+                  warn=lambda t: err.print(f"[bold red]{t}[/]", highlight=False))
+    except OSError as exc:
+        err.print(f"[red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from None

@@ -76,16 +76,21 @@ def listing(reg: Registry, op: str | None = None, status: str | None = None) -> 
             rec = reg.read_record(o, name)
             if status and (rec is None or rec.status != status):
                 continue
-            rows.append({
-                "op": o, "variant": name, "status": rec.status if rec else "unrecorded",
-                "language": rec.variant.language if rec else "-",
-                "agent": rec.provenance.agent if rec else "-",
-                "file": file_state(reg, o, name, rec),
-                "sha256": rec.variant.sha256[:12] if rec else "-",
-                "locked": " ".join(locked_in(reg, o, name)) or "-",
-                "verified": verdict_text(rec), "best x ref": best_speedup(rec) if rec else "-",
-                "proposed configs": len(rec.proposed_configs.entries) if rec else 0})
+            rows.append(listing_row(reg, o, name, rec))
     return rows
+
+
+def listing_row(reg: Registry, op: str, name: str, rec: Record | None) -> dict:
+    """One variant's row of `list` (the review page shows the same row)."""
+    return {
+        "op": op, "variant": name, "status": rec.status if rec else "unrecorded",
+        "language": rec.variant.language if rec else "-",
+        "agent": rec.provenance.agent if rec else "-",
+        "file": file_state(reg, op, name, rec),
+        "sha256": rec.variant.sha256[:12] if rec else "-",
+        "locked": " ".join(locked_in(reg, op, name)) or "-",
+        "verified": verdict_text(rec), "best x ref": best_speedup(rec) if rec else "-",
+        "proposed configs": len(rec.proposed_configs.entries) if rec else 0}
 
 
 def _list(reg: Registry, args: RegistryArgs, console: Console) -> int:

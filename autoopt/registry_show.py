@@ -34,10 +34,13 @@ def locked_in(reg: Registry, op: str, name: str) -> list[str]:
     return [a for a, o, e in reg.read_lock().entries() if o == op and e.variant == name]
 
 
-def selected_source(reg: Registry, op: str, arch: str) -> tuple[str, str]:
-    """(label, source) of what the lock selects for (arch, op), else the reference module."""
+def selected_source(reg: Registry, op: str, arch: str, skip: str | None = None
+                    ) -> tuple[str, str]:
+    """(label, source) of what the lock selects for (arch, op), else the reference module;
+    `skip`: a variant that replaces nothing when it is the selection itself (diff it against
+    the reference instead)."""
     entry = reg.read_lock().section(arch).get(op)
-    if entry is not None:
+    if entry is not None and entry.variant != skip:
         try:
             return entry.variant, reg.read_variant(op, entry.variant)[1].decode()
         except RegistryError:

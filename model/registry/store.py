@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import stat
 import types
@@ -170,6 +171,18 @@ class Registry:
                 return Lock(path=path)
             raise RegistryError(f"no lock file: looked for {path}")
         return Lock.read(path)
+
+    def notes_entries(self, op: str, name: str) -> list[str]:
+        """The `## <name> ...` sections of <op>/NOTES.md (markdown, heading included), in file
+        order: the variant's entry and any later ones (its tuned configs)."""
+        path = self.notes_path(op)
+        check_name("variant", name)
+        if not path.exists() and not path.is_symlink():
+            return []
+        text = self.safe_bytes(path).decode(errors="replace")
+        sections = re.split(r"(?m)^(?=## )", text)
+        head = re.compile(rf"## {re.escape(name)}(?![A-Za-z0-9_])")
+        return [s.rstrip() + "\n" for s in sections if head.match(s)]
 
     def load_variant(self, op: str, name: str) -> types.ModuleType:
         """Execute a variant file (exactly the bytes hashed); its import errors propagate.
