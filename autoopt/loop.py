@@ -359,7 +359,7 @@ def _sessions(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState,
                 state.update_op(op, status="not started", note="the budget was spent")
                 say(f"{op}: not started, {max(0.0, end - now):.0f} s left of the sessions' time")
                 continue
-            _one_op(args, agent, ctx, state, op, devices[0], deadline, console)
+            _one_op(args, agent, ctx, state, op, devices[0], deadline, console, end)
         return
     # One process per GPU, each pinned with CUDA_VISIBLE_DEVICES before CUDA starts, so the
     # sandboxed verify/bench children it spawns inherit the same GPU.
@@ -372,7 +372,7 @@ def _sessions(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState,
             len(devices), mp_context=mpc, initializer=_worker_init,
             initargs=(_slots(manager, devices),)) as pool:
         futures = [pool.submit(_worker_op, saved, str(state.run_dir), op,
-                               _deadline(start, end, k, len(ops), len(devices)))
+                               _deadline(start, end, k, len(ops), len(devices)), end)
                    for k, op in enumerate(ops)]
         for f in futures:
             f.result()
@@ -398,7 +398,8 @@ def _worker_init(slots: Any) -> None:
     _WORKER["device"] = device
 
 
-def _worker_op(saved: dict, run_dir: str, op: str, deadline: float) -> str:
+def _worker_op(saved: dict, run_dir: str, op: str, deadline: float,
+               end: float | None = None) -> str:
     from .targets import load_target
 
     args = args_from_state(saved)
@@ -409,12 +410,12 @@ def _worker_op(saved: dict, run_dir: str, op: str, deadline: float) -> str:
     with run_log(Path(run_dir) / "run.log"):
         say(f"worker {os.getpid()} on {_WORKER['physical']}: {op}")
         _one_op(args, agent, ctx, RunState.load(Path(run_dir)), op, _WORKER["device"], deadline,
-                console)
+                console, end)
     return op
 
 
 def _one_op(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState, op: str,
-            device: str, deadline: float, console: Console) -> None:
+            device: str, deadline: float, console: Console, end: float | None = None) -> None:
     task = build_task(ctx, state, op, device)
     state.update_op(op, status="running", device=device, baseline=task.current_name)
 
@@ -424,7 +425,8 @@ def _one_op(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState, op
             + (f" ({attempt.reasons[0][:120]})" if attempt.reasons else "")
             + (f" -> {attempt.outcome}" if attempt.outcome else ""))
 
-    evaluator = HarnessEvaluator(ctx, task, device, task.shapes, record, deadline=deadline)
+    evaluator = HarnessEvaluator(ctx, task, device, task.shapes, record, deadline=deadline,
+                                 hard_deadline=end)
     limits = Limits(max_candidates=args.max_candidates, deadline=deadline)
     say(f"{op} on {device}: {agent.name} session until {deadline - time.monotonic():.0f} s from "
         f"now, baseline {task.current_name}, {len(task.attempts)} earlier attempt(s), "

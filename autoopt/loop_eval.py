@@ -80,9 +80,9 @@ class HarnessEvaluator:
                  bench_shapes: Sequence[Mapping[str, int]],
                  record: Callable[[str, Attempt, dict], None],
                  verify_shapes: Sequence[Mapping[str, int]] | None = None,
-                 deadline: float | None = None) -> None:
+                 deadline: float | None = None, hard_deadline: float | None = None) -> None:
         self.ctx, self.task, self.device = ctx, task, device
-        self.deadline = deadline
+        self.deadline, self.hard_deadline = deadline, hard_deadline
         self.bench_shapes = [dict(s) for s in bench_shapes]
         self.verify_shapes = [dict(s) for s in verify_shapes] if verify_shapes else None
         self.record = record
@@ -153,12 +153,15 @@ class HarnessEvaluator:
         return reasons, reports
 
     def timeout_s(self) -> float:
-        """A verification child's limit: the run's, cut at the op's deadline (plus a grace
-        that lets a candidate started just in time finish; at least 10 s)."""
-        if self.deadline is None:
-            return self.ctx.verify_timeout_s
-        left = self.deadline - time.monotonic() + DEADLINE_GRACE_S
-        return max(10.0, min(self.ctx.verify_timeout_s, left))
+        """A verification child's limit: the run's, cut at the op's deadline plus a grace (a
+        candidate started just in time may finish), never past the sessions' end; >= 5 s."""
+        limit = self.ctx.verify_timeout_s
+        now = time.monotonic()
+        if self.deadline is not None:
+            limit = min(limit, self.deadline - now + DEADLINE_GRACE_S)
+        if self.hard_deadline is not None:
+            limit = min(limit, self.hard_deadline - now)
+        return max(5.0, limit)
 
     # ---- timing -------------------------------------------------------------------------------
     def _bench_variant(self, path: Path, per_bucket: Mapping[str, Mapping | None]) -> list[dict]:

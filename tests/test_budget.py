@@ -74,6 +74,7 @@ def test_the_loop_keeps_its_budget_with_stubbed_stages(tmp_path, monkeypatch):
     clock = FakeClock()
     costs = COSTS["cpu"]
     calls: dict[str, list] = {"profile": [], "ops": [], "e2e": []}
+    ends_box = [plan_run(300, "cpu", (3, 1, 17)).deadlines(clock.now)["sessions"]]
 
     def profile(args, target, state, batches, deadline):
         calls["profile"].append((batches, deadline))
@@ -85,7 +86,8 @@ def test_the_loop_keeps_its_budget_with_stubbed_stages(tmp_path, monkeypatch):
                               "by_batch": {"3": {"rows": rows, "step_us": 10.0,
                                                  "floor_us": 1.0}}})
 
-    def one_op(args, agent, ctx, state, op, device, deadline, console):
+    def one_op(args, agent, ctx, state, op, device, deadline, console, end=None):
+        assert end == ends_box[0]
         calls["ops"].append((op, clock.now, deadline))
         clock.now = deadline  # every session uses all of its time
         state.update_op(op, status="done")
@@ -120,3 +122,28 @@ def test_the_loop_keeps_its_budget_with_stubbed_stages(tmp_path, monkeypatch):
     log = (run_dir / "run.log").read_text()
     assert "budget 300 s, planned:" in log and "not started" in log and "report:" in log
     assert "## The served step against its floor" in (run_dir / "report.md").read_text()
+
+
+def test_a_verification_child_never_outlives_the_sessions(tmp_path):
+    import time
+
+    from .agents_support import harness
+
+    _, _, ev, _ = harness(tmp_path, "swiglu")  # verify_timeout_s = 120
+    now = time.monotonic()
+    assert ev.timeout_s() == 120  # no deadline: the run's limit
+    ev.deadline, ev.hard_deadline = now + 30, now + 1000
+    assert 44 < ev.timeout_s() <= 45  # the op's deadline plus the grace
+    ev.hard_deadline = now + 35
+    assert 34 < ev.timeout_s() <= 35  # the sessions' end comes first
+    ev.deadline = ev.hard_deadline = now - 50
+    assert ev.timeout_s() == 5.0  # past both: the shortest try, not a negative limit
+
+
+def test_bench_rows_start_only_when_one_like_them_would_end_in_time():
+    from autoopt.bench_model import Clock
+
+    clock = Clock(100.0, say=lambda line: None)
+    clock.row_s[(40, 17)] = 150.0
+    assert not clock.over() and clock.over(clock.row_s[(40, 17)])
+    assert not Clock(None, say=print).over(1e9)  # no budget, never over

@@ -116,7 +116,7 @@ def test_state_survives_a_line_cut_by_a_crash(tmp_path):
         RunState.load(tmp_path)
 
 
-def _fake_one_op(args, agent, ctx, state, op, device, deadline, console):
+def _fake_one_op(args, agent, ctx, state, op, device, deadline, console, end=None):
     state.update_op(op, status="done", device=device, pid=os.getpid(),
                     visible=os.environ.get("CUDA_VISIBLE_DEVICES"), deadline=deadline)
 
