@@ -32,12 +32,15 @@ TOKENS = [1, 17, 123]
 BF = torch.bfloat16
 
 
-def _close_bf16(got, want, frac=2e-3, atol=0.0):
+def _close_bf16(got, want, frac=2e-3, atol=0.0, far_frac=0.0):
     assert got.dtype == want.dtype and got.shape == want.shape
     # Values that cancel to near zero count many ulps for a tiny absolute error: `atol` lets
-    # such elements pass on absolute error alone.
+    # such elements pass on absolute error alone. `far_frac`: the share of elements that may be
+    # more than 1 ulp off (see test_moe_experts).
     ulp = bf16_ulp(got, want) * ((got.float() - want.float()).abs() > atol)
-    assert int(ulp.max()) <= 1, f"max ulp {int(ulp.max())}"
+    far = (ulp > 1).float().mean()
+    assert int(ulp.max()) <= 1 or (far_frac and far <= far_frac), (
+        f"max ulp {int(ulp.max())} on {int((ulp > 1).sum())} of {ulp.numel()}")
     assert (ulp > 0).float().mean() <= frac, f"{int((ulp > 0).sum())} of {ulp.numel()} differ"
 
 

@@ -153,6 +153,13 @@ CATALOG: dict[str, tuple[TemplateSpec, ...]] = {
         "multiply-reduce, warps, stages, the path and PDL are tuned per token bucket.",
         "two launches at decode near the HBM floor of the hit experts' bytes (>= 70% for T <= 8); "
         "grouped tiles at prefill"),),
+    "router": (TemplateSpec(
+        "router", "splitk", "router__splitk.py",
+        "the reference's ~22 kernels (FP32 GEMM, sigmoid, bias, group top-2, group top-k, "
+        "masked top-k, gather, renorm) become a split-K GEMV that streams the 5.2 MB FP32 "
+        "weight over all SMs and one selection pass (fused into the last GEMV program at "
+        "decode); the split, tiles and warps are tuned per token bucket.",
+        "within 2x of the weight-read floor at T <= 8 in one kernel; two kernels above"),),
 }
 
 
