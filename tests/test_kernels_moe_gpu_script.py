@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from model.registry import DEFAULT_ROOT, Registry
+from model.registry import Registry, shipped_root
+
+DEFAULT_ROOT = shipped_root()
 
 
 def load_script():

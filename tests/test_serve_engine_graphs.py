@@ -11,10 +11,11 @@ import torch
 from model.demo import write_demo_checkpoint
 from model.ops import OpTable
 from model.ops.attention import reference as attention_ref
-from model.registry import Registry, resolve_ops
 from model.serve.engine import EngineConfig, LLMEngine, SamplingParams
 from model.serve.graphs import DecodeGraphs, batch_buckets, uncapturable
 from model.serve.paged_attention import decode_attention
+
+from .registry_support import lock_shipped, resolve
 
 
 @pytest.fixture
@@ -51,11 +52,10 @@ def test_decode_attention_matches_the_reference(gen, window: int, dtype: torch.d
 def test_reference_moe_blocks_capture_and_a_locked_variant_does_not(tmp_path) -> None:
     assert uncapturable(OpTable()) == ["moe_experts runs its reference, which loops over the "
                                        "experts present (a host sync)"]
-    lock = tmp_path / "registry.lock.toml"
-    sha = Registry().sha256(Registry().variant_path("moe_experts", "grouped_mm_v1"))
-    lock.write_text(f'[cpu]\nmoe_experts = {{ variant = "grouped_mm_v1", sha256 = "{sha}" }}\n')
-    ops = resolve_ops(lock, arch="cpu")
-    assert ops.sources["moe_experts"].startswith("grouped_mm_v1") and uncapturable(ops) == []
+    reg = lock_shipped(tmp_path / "registry", "moe_experts", "grouped_mm_v1", "cpu")
+    ops, refused = resolve(reg)
+    assert not refused and ops.sources["moe_experts"].startswith("grouped_mm_v1")
+    assert uncapturable(ops) == []
 
 
 def test_batch_buckets() -> None:
