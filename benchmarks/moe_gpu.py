@@ -89,6 +89,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="T at which torch.compile(grouped_mm_v1) is timed ('' for none).")
     p.add_argument("--jobs", type=int, default=12, help="Parallel compile workers.")
     p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--also", default="",
+                   help="Further moe_experts variants to check and time, e.g. cute_v1 (its JIT "
+                        "compiles count against the time budget).")
     return p.parse_args(argv)
 
 
@@ -164,13 +167,29 @@ def precompile(jobs: list[tuple], n: int) -> list[str]:
 
 # ---- timing -----------------------------------------------------------------------------------
 class Bench:
-    def __init__(self, dims: dict, device: str, sets: int, dry: bool) -> None:
+    def __init__(self, dims: dict, device: str, sets: int, dry: bool,
+                 also: tuple[str, ...] = ()) -> None:
         from model.registry import Registry
 
         reg = Registry()
         self.dims, self.device, self.dry = dims, device, dry
         self.triton = reg.load_variant("moe_experts", "triton_v1").run
         self.grouped = reg.load_variant("moe_experts", "grouped_mm_v1").run
+        self.others: dict = {}  # further registry variants this machine can run (cute_v1)
+        self.missing: dict[str, str] = {}
+        for name in reg.variants("moe_experts"):
+            if name in ("triton_v1", "grouped_mm_v1"):
+                continue
+            if name not in also:
+                self.missing[name] = "not asked for (--also)"
+                continue
+            if dry:
+                self.missing[name] = "not run in the CPU dry run"
+                continue
+            try:
+                self.others[name] = reg.load_variant("moe_experts", name).run
+            except Exception as e:  # e.g. nvidia-cutlass-dsl not installed here
+                self.missing[name] = f"{type(e).__name__}: {str(e)[:200]}"
         g = torch.Generator(device=device).manual_seed(0)
         self.layers = [make_weights(dims, device, g) for _ in range(1 if dry else sets)]
         self.arg_sets: dict[int, list[tuple]] = {}
@@ -269,14 +288,18 @@ def measure_t(bench: Bench, t: int, args: argparse.Namespace, deadline: float) -
     cargs = (x, *bench.layers[0], w, ids, SCALE)
     ref, mag = contract.reference(*cargs).cpu(), contract.combine_magnitude(*cargs).cpu()
     check = (cargs, ref, mag)
-    row: dict = {"correct": {"triton_v1": judge(bench.triton(*cargs), *check),
-                             "grouped_mm_v1": judge(bench.grouped(*cargs), *check)}}
-    row["time"] = {"reference": bench.time(contract.reference, t, graph=False, iters=4),
-                   "grouped_mm_v1": bench.time(bench.grouped, t),
-                   "triton_v1": bench.time(bench.triton, t)}
+    variants = {"triton_v1": bench.triton, "grouped_mm_v1": bench.grouped, **bench.others}
+    row: dict = {"correct": {}, "time": {
+        "reference": bench.time(contract.reference, t, graph=False, iters=4)}}
+    for name, fn in variants.items():
+        try:
+            row["correct"][name] = judge(fn(*cargs), *check)
+        except Exception as e:  # a variant that cannot run this shape is reported, not fatal
+            row["correct"][name] = {"pass": False, "error": f"{type(e).__name__}: {e}"[:300]}
+            continue
+        row["time"][name] = bench.time(fn, t)
     row["kernels"] = {name: kernels_per_call(fn, cargs) for name, fn in (
-        ("reference", contract.reference), ("grouped_mm_v1", bench.grouped),
-        ("triton_v1", bench.triton))}
+        ("reference", contract.reference), *variants.items()) if name in row["time"]}
     if not args.no_sweep:
         row["sweep"] = run_sweep(bench, t, check, deadline)
         best = best_of(row["sweep"])
@@ -308,8 +331,10 @@ def pct(entry: dict, bw: float) -> tuple[str, str, str]:
 
 def tables(results: dict) -> tuple[str, str]:
     bw = results["ceilings"]["copy_bytes_s"]
-    impls = ("reference", "grouped_mm_v1", "compile(grouped_mm_v1)", "triton_v1",
-             "triton_v1 best")
+    impls = ("reference", "grouped_mm_v1", "compile(grouped_mm_v1)", *sorted(
+        {n for r in results["tokens"].values() for n in r["time"]} - {
+            "reference", "grouped_mm_v1", "compile(grouped_mm_v1)", "triton_v1",
+            "triton_v1 best"}), "triton_v1", "triton_v1 best")
     lines = [f"# moe_experts on {results['gpu']} (copy ceiling {bw / 1e12:.2f} TB/s)", "",
              "| T | impl | us | GB/s (hit bytes) | % of floor | kernels | correct |",
              "|---|---|---|---|---|---|---|"]
@@ -325,12 +350,13 @@ def tables(results: dict) -> tuple[str, str]:
                 ok = tm[name].get("correct", {}).get("pass", "")
             lines.append(f"| {t} | {name} | {us} | {gbs} | {p} | "
                          f"{row['kernels'].get(name, '')} | {ok} |")
-        best = tm.get("triton_v1 best", tm["triton_v1"])
-        hit = tm["triton_v1"].get("hit_bytes", 0)
+        best = tm.get("triton_v1 best", tm.get("triton_v1", {}))
+        hit = tm["reference"].get("hit_bytes", 0)
         short.append(f"{t:<5} {hit / 1e6:6.1f} {hit / bw * 1e6:9.1f} "
-                     f"{pct(tm['reference'], bw)[0]:>7} {pct(tm['grouped_mm_v1'], bw)[0]:>7} "
+                     f"{pct(tm['reference'], bw)[0]:>7} "
+                     f"{pct(tm.get('grouped_mm_v1', {}), bw)[0]:>7} "
                      f"{pct(tm.get('compile(grouped_mm_v1)', {}), bw)[0]:>8} "
-                     f"{pct(tm['triton_v1'], bw)[0]:>7} {pct(best, bw)[0]:>8} "
+                     f"{pct(tm.get('triton_v1', {}), bw)[0]:>7} {pct(best, bw)[0]:>8} "
                      f"{pct(best, bw)[2]:>7} {row['kernels'].get('triton_v1', '-')!s:>8}")
     for t, row in results["tokens"].items():
         if row.get("sweep"):
@@ -359,7 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     ceil = measure_ceilings(device, refresh=True)
     results = {"gpu": ceil.gpu, "torch": torch.__version__, "ceilings": asdict(ceil),
                "dims": dims, "scale": SCALE, "sets": args.sets, "tokens": {}}
-    bench = Bench(dims, device, args.sets, args.dry_run)
+    bench = Bench(dims, device, args.sets, args.dry_run,
+                  tuple(x for x in args.also.split(",") if x))
+    results["variants_not_run"] = bench.missing
     if not args.dry_run and not args.no_sweep:
         jobs = [(t, cfg, dims) for t in tokens for stage in sweep_configs(t, dims["k"]).values()
                 for cfg in stage] + [(t, None, dims) for t in tokens]
