@@ -10,7 +10,8 @@ random weights (N(0, 1/fan_in)) and skewed routing (expert popularity falling 15
 2. Timing: CUDA-graph replay (autoopt.eval.time_callable) over calls that rotate across SETS
    layers' worth of expert weights (2.5 GB each, far beyond the 50 MB L2) with a fresh routing per
    call: reference (eager; it syncs with the host), grouped_mm_v1, torch.compile of grouped_mm_v1
-   (`emulate_precision_casts`; where time allows), triton_v1 defaults, and the sweep.
+   (`emulate_precision_casts`; at --compile-tokens, where time allows), triton_v1 defaults, the
+   sweep, and any variant named with --also (cute_v1 needs nvidia-cutlass-dsl).
 3. Sweep: triton_v1 kernel-A configs (gate_up + SwiGLU) at a fixed kernel B, then kernel-B
    configs (down + combine) at the best A, then the grouped path; every config is also checked
    against the reference. Compilation runs in parallel worker processes first (Triton's cache).
