@@ -143,7 +143,7 @@ def router_case(mod, t: int, device: str, ceilings, dry: bool) -> dict:
 
 def moe_impls(device: str) -> tuple[dict[str, Callable], str | None]:
     """name -> callable for the experts; the reason cute_v1 is absent, if it is."""
-    from model.serve.graphs import grouped_moe_experts
+    from model.registry import Registry
 
     impls: dict[str, Callable] = {}
     why = None
@@ -157,7 +157,7 @@ def moe_impls(device: str) -> tuple[dict[str, Callable], str | None]:
         impls["cute_v1 (torch GEMM stand-in)"] = lambda *a: cute.moe_experts_fwd(
             *a[:6], 0, 64, 128, _stand_in_gemm)
     if device.startswith("cuda"):
-        impls["grouped_mm"] = grouped_moe_experts
+        impls["grouped_mm"] = Registry().load_variant("moe_experts", "grouped_mm_v1").run
     return impls, why
 
 

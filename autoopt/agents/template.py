@@ -144,6 +144,15 @@ CATALOG: dict[str, tuple[TemplateSpec, ...]] = {
         "logit_softcap", "tiles", "logit_softcap__tiles.py",
         "divide, tanh and scale fused, FP32 out written once, in token x vocab tiles. " + _LAUNCH,
         "one kernel instead of three; bound by the FP32 write"),),
+    "moe_experts": (TemplateSpec(
+        "moe_experts", "fused", "moe_experts__fused.py",
+        "at decode the routed experts are a weight stream: a sort-free kernel over (pair, N-tile) "
+        "streams each hit expert's gate|up once with SwiGLU in its epilogue, and one kernel over "
+        "(token, H-tile) does all k down GEMVs, the weights and the ordered combine, replacing "
+        "~35 launches; at prefill, sorted expert row tiles with tl.dot. Tile sizes, MMA or "
+        "multiply-reduce, warps, stages, the path and PDL are tuned per token bucket.",
+        "two launches at decode near the HBM floor of the hit experts' bytes (>= 70% for T <= 8); "
+        "grouped tiles at prefill"),),
     "router": (TemplateSpec(
         "router", "splitk", "router__splitk.py",
         "the reference's ~22 kernels (FP32 GEMM, sigmoid, bias, group top-2, group top-k, "
