@@ -73,14 +73,15 @@ def generate(
     import json
     from dataclasses import asdict
 
-    from model.serve.offline import GenerateRequest, run_generate
-    from model.serve.sampler import RequestError
+    from autoopt.env import demo_checkpoint_dir
+    from model.parallel import TPError
+    from model.serve.engine.offline import GenerateRequest, run_generate
+    from model.serve.engine.sampler import RequestError
 
     fields = {k: v for k, v in asdict(args).items() if k != "json"}
-    from model.parallel import TPError
-
     try:
-        result, engine = run_generate(GenerateRequest(**fields))
+        result, engine = run_generate(GenerateRequest(**fields,
+                                                      demo_checkpoint=demo_checkpoint_dir()))
     except (RequestError, ValueError) as exc:
         Console(stderr=True).print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
@@ -123,12 +124,13 @@ def serve(
     attention_backend: str = typer.Option(None, "--attention-backend", help=ATTENTION_HELP),
 ) -> None:
     """Serve a checkpoint over the OpenAI and Anthropic HTTP APIs (no --model: the demo)."""
+    from autoopt.env import demo_checkpoint_dir
     from model.parallel import TPError
-    from model.serve.api import ServeOptions, run_server
+    from model.serve.http.server import ServeOptions, run_server
 
     opts = ServeOptions(model, host, port, device, dtype, kernels, max_num_seqs, max_model_len,
                         max_num_batched_tokens, gpu_memory_utilization, api_key, served_model_name,
-                        tp, ep, attention_backend)
+                        tp, ep, attention_backend, demo_checkpoint=demo_checkpoint_dir())
     try:
         run_server(opts, say=lambda line: console.print(line, highlight=False, markup=False,
                                                         soft_wrap=True))

@@ -19,7 +19,7 @@ from typing import Any
 
 import uvicorn
 
-from model.serve.sampler import TokenLogprob
+from model.serve.engine.sampler import TokenLogprob
 from model.serve.tokenizer import BeamTokenizer
 
 MODEL = "beam-test"

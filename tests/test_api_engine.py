@@ -24,9 +24,9 @@ import openai
 import pytest
 
 from model.demo import write_demo_checkpoint
-from model.serve.api import create_app
 from model.serve.engine import AsyncEngine, EngineConfig, LLMEngine
-from model.serve.sampler import SamplingParams
+from model.serve.engine.sampler import SamplingParams
+from model.serve.http.app import create_app
 from tests.api_support import serve
 
 MODEL = "beam-demo"

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from model.serve.api import create_app
+from model.serve.http.app import create_app
 from tests.api_support import MODEL, FakeEngine, demo_tokenizer, serve
 
 MAX_MODEL_LEN = 512

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from model.serve.sampler import (
+from model.serve.engine.sampler import (
     RequestError,
     Sampler,
     SampleRequest,

@@ -10,7 +10,7 @@ import torch
 from model.config import preset
 from model.demo import write_demo_checkpoint
 from model.serve.engine import EngineConfig, LLMEngine, RequestError, SamplingParams
-from model.serve.kv_cache import FULL, SWA
+from model.serve.engine.kv_cache import FULL, SWA
 from tests._hf import save_hf_checkpoint
 
 NEW = 12  # tokens generated per prompt

@@ -12,9 +12,9 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from model.serve.generation import Finished, TextChunk
+from model.serve.engine.generation import Finished, TextChunk
 from model.serve.harmony import Delta, StreamingParser
-from model.serve.protocol import (
+from model.serve.http.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -22,7 +22,7 @@ from model.serve.protocol import (
     resolve_tool_choice,
     validate_openai_tools,
 )
-from model.serve.serving import (
+from model.serve.http.serving import (
     ServeContext,
     chat_prompt,
     check_token_ids,

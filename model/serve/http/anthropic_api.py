@@ -17,16 +17,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from model.serve.chat_template import REASONING_BUDGET
-from model.serve.generation import Finished, TextChunk
+from model.serve.engine.generation import Finished, TextChunk
 from model.serve.harmony import Delta, StreamingParser
-from model.serve.openai_api import sse
-from model.serve.protocol import (
+from model.serve.http.openai_api import sse
+from model.serve.http.protocol import (
     APIError,
     MessagesRequest,
     anthropic_tools_to_openai,
     resolve_anthropic_tool_choice,
 )
-from model.serve.serving import (
+from model.serve.http.serving import (
     ServeContext,
     chat_prompt,
     generation_request,

@@ -23,17 +23,17 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from model.serve.async_engine import EngineDeadError
 from model.serve.chat_template import REASONING_BUDGET, REASONING_EFFORTS
-from model.serve.generation import (
+from model.serve.engine.async_engine import EngineDeadError
+from model.serve.engine.generation import (
     EngineProtocol,
     Finished,
     GenerationRequest,
     TextChunk,
     run_generation,
 )
-from model.serve.metrics import Metrics
-from model.serve.protocol import APIError, ToolMode
+from model.serve.http.metrics import Metrics
+from model.serve.http.protocol import APIError, ToolMode
 from model.serve.tokenizer import SPECIAL_TOKENS, BeamTokenizer
 
 ANALYSIS_OPEN = "<|channel|>analysis<|message|>"

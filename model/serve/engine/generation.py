@@ -25,9 +25,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from model.serve.engine.sampler import SamplingParams
 from model.serve.harmony import CLOSERS, MESSAGE
-from model.serve.metrics import Metrics
-from model.serve.sampler import SamplingParams
+from model.serve.http.metrics import Metrics
 from model.serve.tokenizer import BeamTokenizer, IncrementalDecoder
 
 FORCE_CLOSE = "<|end|>"

@@ -45,7 +45,7 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, config) -> AsyncEngine:
-        from .engine import LLMEngine
+        from .llm_engine import LLMEngine
 
         return cls(LLMEngine(config))
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from ..beam import Batch, BeamForCausalLM, CausalAttention
+from ...beam import Batch, BeamForCausalLM, CausalAttention
+from ..runner import ModelRunner
 from .kv_cache import KVLayout, PagedKVCache
 from .outputs import CompletionResult, EngineStats, RequestOutput, RequestState
-from .runner import ModelRunner
 from .sampler import RequestError, Sampler, SampleRequest, SamplingParams, make_generator
 from .scheduler import Scheduler, SchedulerConfig, Sequence
 
@@ -79,13 +79,13 @@ class EngineConfig:
 
 
 def load_engine_model(config: EngineConfig) -> BeamForCausalLM:
-    from .. import weights
+    from ... import weights
 
     if config.model is None:
         raise ValueError("EngineConfig.model is None and no model was passed to the engine")
     if config.tp > 1:
         raise ValueError(f"EngineConfig(tp={config.tp}) needs one process per rank: start the "
-                         "ranks with model.serve.tp_worker (generate_tp, or `autoopt serve/"
+                         "ranks with model.serve.engine.tp_worker (generate_tp, or `autoopt serve/"
                          "generate --tp N`), not LLMEngine(config) in one process")
     kwargs = {"dtype": config.torch_dtype, "device": str(config.resolved_device())}
     if "kernels" in inspect.signature(weights.load_model).parameters:
@@ -94,7 +94,7 @@ def load_engine_model(config: EngineConfig) -> BeamForCausalLM:
 
 
 def load_tokenizer(path: str | None):
-    from .tokenizer import BeamTokenizer
+    from ..tokenizer import BeamTokenizer
 
     if path is None or not (Path(path) / "tokenizer.json").exists():
         return None
@@ -311,8 +311,3 @@ class LLMEngine:
             requests_added_total=c["added"], requests_finished_total=dict(self._finished),
             steps_total=c["steps"], batched_tokens_total=c["batched"])
 
-
-from .async_engine import AsyncEngine, EngineDeadError  # noqa: E402  (re-exported for the API)
-
-__all__ = ["AsyncEngine", "CompletionResult", "EngineConfig", "EngineDeadError", "EngineStats",
-           "LLMEngine", "RequestError", "RequestOutput", "SamplingParams"]

@@ -20,11 +20,9 @@ import contextlib
 import hmac
 import inspect
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -32,20 +30,19 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from model.serve import anthropic_api, openai_api
-from model.serve.generation import EngineProtocol
-from model.serve.protocol import (
+from model.serve.engine.generation import EngineProtocol
+from model.serve.http import anthropic_api, openai_api
+from model.serve.http.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     MessagesRequest,
     parse_body,
 )
-from model.serve.serving import ServeContext
+from model.serve.http.serving import ServeContext
 from model.serve.tokenizer import BeamTokenizer
 
-__all__ = ["EngineProtocol", "ServeContext", "ServeOptions", "build_server", "create_app",
-           "run_server"]
+__all__ = ["EngineProtocol", "ServeContext", "create_app"]
 
 log = logging.getLogger(__name__)
 ANTHROPIC_PATHS = ("/v1/messages",)
@@ -210,84 +207,3 @@ def _add_error_handlers(app: FastAPI, ctx: ServeContext) -> None:
         log.exception("unhandled error on %s", request.url.path)
         ctx.metrics.error(500)
         return error_response(request, APIError(500, f"internal server error: {exc}"))
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    """`autoopt serve` flags; None takes the EngineConfig default (defined once, there)."""
-
-    model: Path | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    device: str | None = None
-    dtype: str | None = None
-    kernels: str | None = None
-    max_num_seqs: int | None = None
-    max_model_len: int | None = None
-    max_num_batched_tokens: int | None = None
-    gpu_memory_utilization: float | None = None
-    api_key: str | None = None
-    served_model_name: str | None = None
-    tp: int | None = None  # tensor-parallel ranks (model/serve/tp_worker.py)
-    ep: int | None = None
-    attention_backend: str | None = None  # auto | torch | flashinfer
-
-
-def model_path(opts: ServeOptions, say: Callable[[str], None] = print) -> Path:
-    """--model, or the demo checkpoint (written on first use)."""
-    from model.serve.offline import ensure_demo_checkpoint
-
-    if opts.model is not None:
-        return Path(opts.model)
-    path = ensure_demo_checkpoint()
-    say(f"no --model given: serving the tiny demo checkpoint (random weights) at {path}")
-    return path
-
-
-def engine_config(opts: ServeOptions, path: Path):
-    """The EngineConfig of these flags (None flags take its defaults)."""
-    from model.serve.engine import EngineConfig
-
-    given = {name: getattr(opts, name) for name in (
-        "device", "dtype", "kernels", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
-        "gpu_memory_utilization", "tp", "ep", "attention_backend")
-        if getattr(opts, name) is not None}
-    return EngineConfig(model=str(path), **given)
-
-
-def build_server(opts: ServeOptions, say: Callable[[str], None] = print,
-                 engine: Any = None) -> tuple[FastAPI, Any]:
-    """Load the engine (unless one is given) and build the app (the engine starts with it)."""
-    from model.serve.engine import AsyncEngine
-
-    path = model_path(opts, say)
-    if engine is None:
-        engine = AsyncEngine.from_config(engine_config(opts, path))
-    if engine.tokenizer is None:
-        raise ValueError(f"{path} has no tokenizer.json: the chat APIs need the checkpoint's "
-                         "tokenizer; add one (autoopt demo-checkpoint writes one)")
-    name = opts.served_model_name or Path(path).name
-    app = create_app(engine, engine.tokenizer, name, api_key=opts.api_key,
-                     max_model_len=engine.max_model_len)
-    say(engine.engine.startup_report)
-    return app, engine
-
-
-def serving_banner(opts: ServeOptions, app: FastAPI, engine: Any) -> str:
-    url = f"http://{opts.host}:{opts.port}"
-    return (f"serving {app.state.ctx.model_name!r} at {url}/v1 (OpenAI) and {url}/v1/messages "
-            f"(Anthropic); KV capacity {engine.stats().kv_capacity_tokens} tokens; metrics at "
-            f"{url}/metrics")
-
-
-def run_server(opts: ServeOptions, say: Callable[[str], None] = print) -> None:
-    import uvicorn
-
-    if opts.tp is not None and opts.tp > 1:
-        from model.serve.tp_worker import run_tp_server
-
-        run_tp_server(opts, say)  # rank 0 serves; this process watches the ranks
-        return
-    app, engine = build_server(opts, say)
-    say(serving_banner(opts, app, engine))
-    uvicorn.run(app, host=opts.host, port=opts.port, log_level="info")
