@@ -115,7 +115,21 @@ def serve(
                                                help="Tokens per step (chunked prefill)."),
     gpu_memory_utilization: float = typer.Option(None, "--gpu-memory-utilization",
                                                  help="Fraction of GPU memory to use."),
-    api_key: str = typer.Option(None, "--api-key", help="Require this bearer / x-api-key."),
+    api_key: str = typer.Option(None, "--api-key", help="Require this bearer / x-api-key "
+                                "(default: $AUTOOPT_API_KEY; none: no key)."),
+    allowed_origins: list[str] = typer.Option(
+        None, "--allowed-origins", help="Web origins allowed to call the server, e.g. "
+        "http://localhost:3000 (repeat or comma-separate; '*': any). Default: none, so requests "
+        "from web pages are refused."),
+    max_request_bytes: int = typer.Option(None, "--max-request-bytes", help="Largest request "
+                                          "body in bytes, 413 above (default: 16 MiB)."),
+    body_timeout: float = typer.Option(None, "--body-timeout", help="Seconds a request body "
+                                       "may take to arrive, 408 after (default: 30)."),
+    header_timeout: float = typer.Option(None, "--header-timeout", help="Seconds a request's "
+                                         "headers may take to arrive (default: 10)."),
+    batch_invariant: bool = typer.Option(None, "--batch-invariant/--no-batch-invariant",
+                                         help="Greedy tokens that do not depend on batching or "
+                                         "preemption (slower; see docs/architecture.md)."),
     served_model_name: str = typer.Option(None, "--served-model-name",
                                           help="Model name in the API (default: the dir name)."),
     tp: int = typer.Option(None, "--tp", help="Tensor-parallel ranks: one process per GPU "
@@ -124,13 +138,26 @@ def serve(
     attention_backend: str = typer.Option(None, "--attention-backend", help=ATTENTION_HELP),
 ) -> None:
     """Serve a checkpoint over the OpenAI and Anthropic HTTP APIs (no --model: the demo)."""
-    from autoopt.env import demo_checkpoint_dir
+    from autoopt.env import demo_checkpoint_dir, serve_api_key
     from model.parallel import TPError
     from model.serve.http.server import ServeOptions, run_server
 
+    origins = tuple(o.strip() for given in allowed_origins or [] for o in given.split(",")
+                    if o.strip())
+    from model.serve.http.limits import HTTPLimits
+
+    given = {"max_request_bytes": max_request_bytes, "body_timeout_s": body_timeout,
+             "header_timeout_s": header_timeout}
+    try:
+        limits = HTTPLimits(**{k: v for k, v in given.items() if v is not None})
+    except ValueError as exc:
+        Console(stderr=True).print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
     opts = ServeOptions(model, host, port, device, dtype, kernels, max_num_seqs, max_model_len,
-                        max_num_batched_tokens, gpu_memory_utilization, api_key, served_model_name,
-                        tp, ep, attention_backend, demo_checkpoint=demo_checkpoint_dir())
+                        max_num_batched_tokens, gpu_memory_utilization,
+                        api_key if api_key is not None else serve_api_key(), served_model_name,
+                        tp, ep, attention_backend, demo_checkpoint=demo_checkpoint_dir(),
+                        allowed_origins=origins, limits=limits, batch_invariant=batch_invariant)
     try:
         run_server(opts, say=lambda line: console.print(line, highlight=False, markup=False,
                                                         soft_wrap=True))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,10 +18,19 @@ import openai
 import pytest
 
 from model.serve.http.app import create_app
-from tests.api_support import MODEL, FakeEngine, demo_tokenizer, serve
+from tests.api_support import (
+    MODEL,
+    FakeEngine,
+    demo_tokenizer,
+    metric,
+    scrape,
+    serve,
+    server_errors,
+)
 
 MAX_MODEL_LEN = 512
 KEY = "sekret-key"
+JSON = {"content-type": "application/json"}
 GOOD_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "[hello]"}]}
 GOOD_MESSAGES = {"model": MODEL, "max_tokens": 64,
                  "messages": [{"role": "user", "content": "[hello]"}]}
@@ -77,7 +85,7 @@ BAD_CHAT = {
     "messages empty": (with_(GOOD_CHAT, messages=[]), 400, "messages"),
     "message not object": (with_(GOOD_CHAT, messages=["hi"]), 400, "messages[0]"),
     "unknown role": (with_(GOOD_CHAT, messages=[{"role": "robot", "content": "x"}]), 400,
-                     "messages"),
+                     "messages[0].role"),
     "tool_choice unknown tool": (with_(GOOD_CHAT, tools=[{"type": "function", "function": {
         "name": "f"}}], tool_choice={"type": "function", "function": {"name": "g"}}), 400,
         "tool_choice"),
@@ -92,7 +100,8 @@ BAD_CHAT = {
                                    "stop_token_ids"),
     "string tool arguments not json": (with_(GOOD_CHAT, messages=[
         {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {
-            "name": "f", "arguments": "{oops"}}]}]), 400, "messages"),
+            "name": "f", "arguments": "{oops"}}]}]), 400,
+        "messages[0].tool_calls[0].function.arguments"),
 }
 
 
@@ -121,8 +130,7 @@ def assert_still_serving(base: str) -> None:
 @pytest.mark.parametrize("case", list(BAD_CHAT))
 def test_bad_chat_requests(base, case):
     body, status, param = BAD_CHAT[case]
-    r = httpx.post(f"{base}/v1/chat/completions", content=body,
-                   headers={"content-type": "application/json"}, timeout=30)
+    r = httpx.post(f"{base}/v1/chat/completions", content=body, headers=JSON, timeout=30)
     assert_openai_error(r, status, param)
     assert_still_serving(base)
 
@@ -169,7 +177,7 @@ BAD_MESSAGES = {
 @pytest.mark.parametrize("case", list(BAD_MESSAGES))
 def test_bad_messages_requests(base, case):
     body, status, kind = BAD_MESSAGES[case]
-    r = httpx.post(f"{base}/v1/messages", content=body, timeout=30)
+    r = httpx.post(f"{base}/v1/messages", content=body, timeout=30, headers=JSON)
     assert_anthropic_error(r, status, kind)
     assert_still_serving(base)
 
@@ -297,32 +305,37 @@ def test_load_64_concurrent_streams(slow):
     assert time.monotonic() - start < 60
 
 
-METRIC_LINE = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? '
-                         r'(-?[0-9.e+-]+|\+Inf|NaN)$')
-
-
 def test_metrics(base):
     httpx.post(f"{base}/v1/chat/completions", json=GOOD_CHAT, timeout=30)
-    httpx.post(f"{base}/v1/chat/completions", content=b"{", timeout=30)
-    r = httpx.get(f"{base}/metrics")
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    values: dict[str, float] = {}
-    for line in r.text.splitlines():
-        if line.startswith("#"):
-            assert re.match(r"^# (HELP|TYPE) \S+ .+$", line), line
-            continue
-        assert METRIC_LINE.match(line), line
-        name, value = line.rsplit(" ", 1)
-        values[name] = float(value)
-    p = "autoopt_serve_"
-    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio",
-                  "kv_cache_capacity_tokens", "generation_tokens_per_second"):
-        assert p + gauge in values
-    assert values[p + "kv_cache_usage_ratio"] == 0.25  # what the fake engine's stats report
-    assert values[p + "generation_tokens_total"] > 0
-    assert values[p + "time_to_first_token_seconds_count"] >= 1
-    assert values[p + "inter_token_latency_seconds_count"] >= 1
-    assert values[p + 'requests_finished_total{endpoint="chat",finish_reason="stop"}'] >= 1
-    assert values[p + 'request_errors_total{status="400"}'] >= 1
-    buckets = [v for k, v in values.items() if k.startswith(p + "time_to_first_token_seconds_b")]
-    assert buckets == sorted(buckets)  # cumulative buckets never decrease
+    httpx.post(f"{base}/v1/chat/completions", content=b"{", headers=JSON, timeout=30)
+    values = scrape(base)
+    labels = {"model_name": MODEL}
+    assert metric(values, "vllm:num_requests_running", **labels) == 0
+    assert metric(values, "vllm:num_requests_waiting", **labels) == 0
+    assert metric(values, "vllm:kv_cache_usage_perc", **labels) == 0.25  # the fake's stats
+    assert metric(values, "autoopt:kv_cache_capacity_tokens", **labels) == 4096
+    assert metric(values, "autoopt:engine_healthy", **labels) == 1
+    assert metric(values, "vllm:generation_tokens_total", **labels) > 0
+    assert metric(values, "vllm:prompt_tokens_total", **labels) > 0
+    assert metric(values, "vllm:time_to_first_token_seconds_count", **labels) >= 1
+    assert metric(values, "vllm:inter_token_latency_seconds_count", **labels) >= 1
+    assert metric(values, "vllm:e2e_request_latency_seconds_count", **labels) >= 1
+    assert metric(values, "vllm:request_success_total", finished_reason="stop") >= 1
+    assert metric(values, "autoopt:requests_finished_total", endpoint="chat",
+                  finished_reason="stop") >= 1
+    assert metric(values, "http_requests_total", handler="/v1/chat/completions",
+                  method="POST", status="400") >= 1
+    assert metric(values, "http_requests_total", handler="/v1/chat/completions",
+                  method="POST", status="200") >= 1
+    assert not server_errors(values)
+    buckets = sorted((float(dict(ls)["le"]), v) for (n, ls), v in values.items()
+                     if n == "vllm:time_to_first_token_seconds_bucket")
+    assert [v for _, v in buckets] == sorted(v for _, v in buckets)  # cumulative
+
+
+def test_unknown_paths_share_one_metrics_label(base):
+    for i in range(5):
+        httpx.get(f"{base}/no/such/path/{i}", timeout=30)
+    values = scrape(base)
+    handlers = {dict(ls)["handler"] for (n, ls), _ in values.items() if n == "http_requests_total"}
+    assert "other" in handlers and not any(h.startswith("/no/") for h in handlers)

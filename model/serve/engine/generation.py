@@ -27,7 +27,6 @@ from typing import Any, Literal, Protocol
 
 from model.serve.engine.sampler import SamplingParams
 from model.serve.harmony import CLOSERS, MESSAGE
-from model.serve.http.metrics import Metrics
 from model.serve.tokenizer import BeamTokenizer, IncrementalDecoder
 
 FORCE_CLOSE = "<|end|>"
@@ -36,7 +35,9 @@ MAX_FORCED_PHASES = 16  # a model that keeps reopening its reasoning is left alo
 
 
 class EngineProtocol(Protocol):
-    """What the HTTP layer needs from an engine (model.serve.engine.AsyncEngine has this shape)."""
+    """What the HTTP layer needs from an engine (model.serve.engine.AsyncEngine has this shape).
+
+    Optional: `start()`, `shutdown()`, `is_running`, `vocab_size` (the model's, for top_k)."""
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: Any
@@ -45,6 +46,14 @@ class EngineProtocol(Protocol):
     def abort(self, request_id: str) -> Any: ...
 
     def stats(self) -> Any: ...
+
+
+class TokenObserver(Protocol):
+    """Told when tokens arrive (the HTTP layer's metrics have this shape)."""
+
+    def first_token(self, arrival: float, now: float) -> None: ...
+
+    def tokens(self, n: int, gap: float | None, now: float) -> None: ...
 
 
 def make_sampling_params(**kwargs: Any) -> SamplingParams:
@@ -224,7 +233,7 @@ async def run_generation(
     tokenizer: BeamTokenizer,
     greq: GenerationRequest,
     request_id: str,
-    metrics: Metrics | None = None,
+    metrics: TokenObserver | None = None,
     arrival: float | None = None,
 ) -> AsyncIterator[TextChunk | Finished]:
     """Drive `greq` through the engine; the first event comes after the engine's first output.
@@ -309,7 +318,7 @@ def _consume(
     run: _Run,
     out: Any,
     events: list[TextChunk | Finished],
-    metrics: Metrics | None,
+    metrics: TokenObserver | None,
     arrival: float,
 ) -> tuple[Finished | None, Literal["closed", "budget"] | None]:
     """Process one engine output into `events`; returns (Finished or None, forced action)."""

@@ -20,9 +20,24 @@ import torch
 
 from ...beam import Batch, BeamForCausalLM, CausalAttention
 from ..runner import ModelRunner
+from .faults import StepIsolation
 from .kv_cache import KVLayout, PagedKVCache
-from .outputs import CompletionResult, EngineStats, RequestOutput, RequestState
-from .sampler import RequestError, Sampler, SampleRequest, SamplingParams, make_generator
+from .outputs import (
+    FINISH_REASONS,
+    CompletionResult,
+    EngineStats,
+    RequestFailedError,
+    RequestOutput,
+    RequestState,
+)
+from .sampler import (
+    RequestError,
+    Sampler,
+    SampleRequest,
+    SamplingParams,
+    make_generator,
+    sample_isolated,
+)
 from .scheduler import Scheduler, SchedulerConfig, Sequence
 
 log = logging.getLogger(__name__)
@@ -102,6 +117,8 @@ def load_tokenizer(path: str | None):
 
 
 class LLMEngine:
+    isolate_step_failures = True  # a failing step is re-run per request (faults.py)
+
     def __init__(self, config: EngineConfig, model: BeamForCausalLM | None = None,
                  tokenizer=None) -> None:
         self.config = config
@@ -122,6 +139,7 @@ class LLMEngine:
                                   max_model_len=self.max_model_len, cuda_graphs=config.cuda_graphs,
                                   attention_backend=config.attention_backend)
         self.sampler = Sampler()
+        self._isolation = StepIsolation(enabled=self.isolate_step_failures)
         eos = self.model_config.eos_token_id
         self.stop_token_ids = frozenset(
             self.tokenizer.stop_token_ids if self.tokenizer is not None
@@ -131,7 +149,7 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []
         self._counters = {"prompt": 0, "generation": 0, "added": 0, "steps": 0, "batched": 0}
-        self._finished = {reason: 0 for reason in ("stop", "length", "abort")}
+        self._finished = {reason: 0 for reason in FINISH_REASONS}
         self.startup_report = (
             f"KV cache: {self.cache.capacity_tokens} tokens of context "
             f"({self.cache.nbytes() / 2**20:.1f} MiB, pages of {config.page_size}: "
@@ -196,12 +214,29 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(f"stop token id {bad[0]} is outside [0, {self.vocab_size})")
+        if params.top_k > self.vocab_size:
+            raise RequestError(f"top_k {params.top_k} is larger than the vocabulary "
+                               f"({self.vocab_size} tokens); use 0 or -1 to turn top-k off")
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int],
                     params: SamplingParams) -> None:
+        """Queue a request. RequestError: refused (nothing queued); RequestFailedError: building
+        its state failed (nothing queued); anything else: the queues may be inconsistent."""
         self.check_request(prompt_token_ids, params)
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already running; ids must be unique")
+        try:
+            seq = self._new_sequence(request_id, prompt_token_ids, params)
+        except Exception as exc:
+            log.error("request %s failed while starting", request_id, exc_info=exc)
+            raise RequestFailedError(request_id, "starting") from exc
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+        self._counters["added"] += 1
+        self._counters["prompt"] += len(prompt_token_ids)
+
+    def _new_sequence(self, request_id: str, prompt_token_ids: Seq[int],
+                      params: SamplingParams) -> Sequence:
         seq = Sequence(request_id, list(prompt_token_ids))
         gen = None
         if not params.greedy:
@@ -214,10 +249,7 @@ class LLMEngine:
             params, SampleRequest(params, gen), frozenset(stops), decoder, time.monotonic(),
             len(prompt_token_ids) + params.max_tokens,
             self.tokenizer.vocab_size if self.tokenizer is not None else 0)
-        self._requests[request_id] = seq
-        self.scheduler.add(seq)
-        self._counters["added"] += 1
-        self._counters["prompt"] += len(prompt_token_ids)
+        return seq
 
     def abort(self, request_id: str) -> bool:
         """Stop a request; its final output (finish_reason "abort") comes with the next step."""
@@ -236,21 +268,43 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule, run and sample one step. A request whose step, sampling or detokenization
+        fails finishes with finish_reason "error" (faults.py); an error in what all requests
+        share raises (EngineFatalError, or the scheduler's own error) and the engine must stop."""
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if not sched.chunks:
             return outputs
-        logits = self.runner.execute(sched.chunks)
+        logits, failed = self._isolation.execute(self.runner, sched.chunks)
         self.scheduler.advance(sched)
-        seqs = [c.seq for c in sched.chunks if c.sample]
-        tokens, logprobs = self.sampler(logits, [s.state.sample for s in seqs])
         now = time.monotonic()
-        for seq, token, lp in zip(seqs, tokens, logprobs):
-            outputs.append(self._append(seq, token, lp, now))
+        for i, exc in failed.items():
+            outputs.append(self._fail(sched.chunks[i].seq, "running its model step", exc, now))
+        seqs = [c.seq for i, c in enumerate(sched.chunks) if c.sample and i not in failed]
+        tokens, logprobs, errors = sample_isolated(self.sampler, logits,
+                                                   [s.state.sample for s in seqs])
+        for seq, token, lp, exc in zip(seqs, tokens, logprobs, errors):
+            if exc is not None:
+                outputs.append(self._fail(seq, "sampling its next token", exc, now))
+                continue
+            try:
+                outputs.append(self._append(seq, token, lp, now))
+            except Exception as exc:  # noqa: BLE001 - detokenizing or stop checks: this request
+                outputs.append(self._fail(seq, "detokenizing its output", exc, now))
         self._counters["steps"] += 1
         self._counters["batched"] += sched.num_tokens
-        self._counters["generation"] += len(seqs)
+        self._counters["generation"] += len(seqs) - sum(e is not None for e in errors)
         return outputs
+
+    def _fail(self, seq: Sequence, stage: str, exc: BaseException, now: float) -> RequestOutput:
+        log.error("request %s failed while %s; it is ended, the engine goes on", seq.request_id,
+                  stage, exc_info=exc)
+        if self._requests.pop(seq.request_id, None) is not None:
+            self.scheduler.finish(seq)
+            self._finished["error"] += 1
+        st = seq.state
+        st.finish_reason, st.error = "error", stage
+        return self._output(seq, [], None, "", now)
 
     def _append(self, seq: Sequence, token: int, lp, now: float) -> RequestOutput:
         st = seq.state
@@ -274,7 +328,8 @@ class LLMEngine:
             finish_reason=st.finish_reason, stop_reason=st.stop_reason,
             logprobs=[lp] if lp is not None else ([] if st.params.logprobs is not None else None),
             prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids),
-            arrival_time=st.arrival_time, first_token_time=st.first_token_time, time=now)
+            arrival_time=st.arrival_time, first_token_time=st.first_token_time, time=now,
+            error=st.error)
 
     # ---- offline ----------------------------------------------------------------------------
     def generate(self, prompts: Seq[Seq[int]],

@@ -1,23 +1,17 @@
-"""The HTTP server: OpenAI and Anthropic APIs, health and Prometheus metrics (FastAPI).
+"""The HTTP app: OpenAI and Anthropic APIs, health and Prometheus metrics (FastAPI).
 
 `create_app(engine, tokenizer, model_name, ...)` builds the app around any engine with the
-`EngineProtocol` shape; `run_server(ServeOptions(...))` is `autoopt serve`. Every error is JSON in
-the shape of the API that was called: OpenAI's `{"error": {message, type, param, code}}`, or
-Anthropic's `{"type": "error", "error": {type, message}}` on `/v1/messages`. Auth (when an API key
-is set) covers `/v1/*` and takes `Authorization: Bearer KEY` or `x-api-key: KEY` on every route;
-`/health` and `/metrics` stay open for load balancers and scrapers, as in vLLM. A client that
-disconnects, streaming or not, has its engine request aborted.
-
-Layout: protocol.py (request models, errors, tool validation), serving.py (context, prompts,
-limits, tool_choice), generation.py (engine driving: stop strings, reasoning budget, forced
-headers), openai_api.py and anthropic_api.py (response shapes), metrics.py (Prometheus text).
+`EngineProtocol` shape. Every error is JSON in the shape of the API that was called (errors.py).
+Before a route runs, `RequestGuard` (guard.py) has checked the origin, the API key and the body
+(JSON, size, time); it also counts every response by status. A client that disconnects,
+streaming or not, has its engine request aborted. Request bodies are parsed, and prompts rendered
+and tokenized, in worker threads, so one large request never stalls `/health` or other streams.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import inspect
 import logging
 from collections.abc import AsyncIterator, Coroutine
@@ -26,61 +20,31 @@ from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
 
 from model.serve.engine.generation import EngineProtocol
 from model.serve.http import anthropic_api, openai_api
+from model.serve.http.errors import APIError
+from model.serve.http.guard import RequestGuard
+from model.serve.http.limits import HTTPLimits
+from model.serve.http.metrics import CONTENT_TYPE, ServerMetrics
 from model.serve.http.protocol import (
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     MessagesRequest,
     parse_body,
 )
 from model.serve.http.serving import ServeContext
+from model.serve.http.sse import SSEResponse
 from model.serve.tokenizer import BeamTokenizer
 
-__all__ = ["EngineProtocol", "ServeContext", "create_app"]
+__all__ = ["EngineProtocol", "HTTPLimits", "ServeContext", "create_app"]
 
 log = logging.getLogger(__name__)
-ANTHROPIC_PATHS = ("/v1/messages",)
-
-
-class SSEResponse(StreamingResponse):
-    """A stream that always closes its iterator, so a client that leaves aborts its request."""
-
-    def __init__(self, content: AsyncIterator[str]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
-
-
-def _is_anthropic(request: Request) -> bool:
-    return request.url.path.rstrip("/") in ANTHROPIC_PATHS
-
-
-def error_response(request: Request, err: APIError) -> JSONResponse:
-    body = err.anthropic_body() if _is_anthropic(request) else err.openai_body()
-    return JSONResponse(body, status_code=err.status)
-
-
-def _authorize(ctx: ServeContext, request: Request) -> None:
-    if ctx.api_key is None:
-        return
-    auth = request.headers.get("authorization", "")
-    given = auth[7:].strip() if auth.lower().startswith("bearer ") else None
-    given = given if given is not None else request.headers.get("x-api-key")
-    if given is None or not hmac.compare_digest(given.encode(), ctx.api_key.encode()):
-        raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY' or "
-                       "'x-api-key: KEY' with the key the server was started with",
-                       code="invalid_api_key")
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
+          "/v1/messages")
 
 
 async def _call(result: Any) -> None:
@@ -112,6 +76,16 @@ async def _respond(request: Request, work: Coroutine[Any, Any, Any]) -> Response
     return JSONResponse(result) if isinstance(result, dict) else SSEResponse(result)
 
 
+def health_body(engine: Any) -> tuple[int, dict[str, str]]:
+    if getattr(engine, "is_running", True) is not False:
+        return 200, {"status": "ok"}
+    error = getattr(engine, "error", None)
+    kind = f" ({type(error).__name__})" if error is not None else ""
+    return 503, {"status": "unhealthy",
+                 "reason": f"the engine has stopped on an internal error{kind}; the server is "
+                           "shutting down so that a supervisor restarts it (details in its log)"}
+
+
 def create_app(
     engine: EngineProtocol,
     tokenizer: BeamTokenizer,
@@ -119,9 +93,12 @@ def create_app(
     api_key: str | None = None,
     max_model_len: int = 4096,
     manage_engine: bool = True,
+    allowed_origins: tuple[str, ...] = (),
+    limits: HTTPLimits | None = None,
 ) -> FastAPI:
     """The server app. With `manage_engine`, app start-up/shut-down start and stop the engine."""
-    ctx = ServeContext(engine, tokenizer, model_name, max_model_len, api_key)
+    metrics = ServerMetrics(model_name, engine)
+    ctx = ServeContext(engine, tokenizer, model_name, max_model_len, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -133,77 +110,73 @@ def create_app(
             if manage_engine and hasattr(engine, "shutdown"):
                 await _call(engine.shutdown())
 
-    app = FastAPI(title="autoopt Beam server", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="autoopt Beam server", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.ctx = ctx
-    _add_error_handlers(app, ctx)
+    _add_error_handlers(app)
+    _add_routes(app, ctx)
+    app.add_middleware(RequestGuard, metrics=metrics, api_key=api_key,
+                       allowed_origins=tuple(allowed_origins), limits=limits, handlers=ROUTES)
+    if allowed_origins:  # outside the guard: answers the preflights of allowed origins
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
+                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"])
+    return app
+
+
+def _add_routes(app: FastAPI, ctx: ServeContext) -> None:
+    engine, name = ctx.engine, ctx.model_name
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if getattr(engine, "is_running", True) is False:  # the engine thread died or stopped
-            return JSONResponse({"status": "engine not running"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        status, body = health_body(engine)
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(ctx.metrics.render(engine.stats()),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
     # One entry readable by both SDKs: OpenAI's fields plus Anthropic's (type, display_name...).
-    card = {"id": model_name, "object": "model", "created": ctx.created, "owned_by": "autoopt",
-            "max_model_len": max_model_len, "type": "model", "display_name": model_name,
+    card = {"id": name, "object": "model", "created": ctx.created, "owned_by": "autoopt",
+            "max_model_len": ctx.max_model_len, "type": "model", "display_name": name,
             "created_at": datetime.fromtimestamp(ctx.created, UTC).isoformat()}
 
     @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        _authorize(ctx, request)
-        return {"object": "list", "data": [card], "has_more": False, "first_id": model_name,
-                "last_id": model_name}
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [card], "has_more": False, "first_id": name,
+                "last_id": name}
 
-    @app.get("/v1/models/{name:path}")
-    async def model(name: str, request: Request) -> dict[str, Any]:
-        _authorize(ctx, request)
-        ctx.check_model(name)
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        ctx.check_model(model)
         return card
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        _authorize(ctx, request)
-        req = parse_body(ChatCompletionRequest, await request.body())
+        req = await asyncio.to_thread(parse_body, ChatCompletionRequest, await request.body())
         return await _respond(request, openai_api.chat_completions(ctx, req))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        _authorize(ctx, request)
-        req = parse_body(CompletionRequest, await request.body())
+        req = await asyncio.to_thread(parse_body, CompletionRequest, await request.body())
         return await _respond(request, openai_api.completions(ctx, req))
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
-        _authorize(ctx, request)
-        req = parse_body(MessagesRequest, await request.body())
+        req = await asyncio.to_thread(parse_body, MessagesRequest, await request.body())
         return await _respond(request, anthropic_api.messages(ctx, req))
 
-    return app
 
-
-def _add_error_handlers(app: FastAPI, ctx: ServeContext) -> None:
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        ctx.metrics.error(exc.status)
-        return error_response(request, exc)
+        return JSONResponse(exc.body_for(request.url.path), status_code=exc.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        ctx.metrics.error(exc.status_code)
         detail = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
             detail = f"no route {request.method} {request.url.path}; see /v1/models"
         elif exc.status_code == 405:
             detail = f"{request.method} is not allowed on {request.url.path}"
-        return error_response(request, APIError(exc.status_code, detail))
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", request.url.path)
-        ctx.metrics.error(500)
-        return error_response(request, APIError(500, f"internal server error: {exc}"))
+        err = APIError(exc.status_code, detail)
+        return JSONResponse(err.body_for(request.url.path), status_code=err.status)

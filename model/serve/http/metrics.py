@@ -1,73 +1,44 @@
-"""Prometheus metrics of the HTTP server, in the text exposition format (written by hand).
+"""Prometheus metrics of the server, through prometheus_client, under vLLM's names where vLLM
+has one so that existing dashboards work (`vllm:num_requests_running`, `vllm:kv_cache_usage_perc`,
+`vllm:time_to_first_token_seconds`, ...); the rest are `autoopt:*`, and HTTP status counts are
+`http_requests_total{handler, method, status}` as prometheus-fastapi-instrumentator names them.
 
-prometheus_client is not a dependency; the format is small: `# HELP`, `# TYPE`, then samples.
-All updates happen on the server's event loop, so no locking is needed.
+Request-level series (tokens, latencies, finishes) are recorded by the HTTP layer as requests
+run; the engine's gauges (queue lengths, KV usage, preemptions) are read from `engine.stats()`
+at scrape time. Every server has its own registry, so several apps can live in one process.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import time
-from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
-PREFIX = "autoopt_serve"
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Latency buckets in seconds: sub-millisecond ITL on a GPU up to minute-long requests on a CPU.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-RATE_WINDOW_S = 10.0
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
-# Engine stats under the names dashboards look for; other numeric stats export as engine_<key>.
-_WELL_KNOWN = {
-    "num_requests_running": (("running", "num_running", "num_requests_running"),
-                             "Requests in the running batch."),
-    "num_requests_waiting": (("waiting", "num_waiting", "num_requests_waiting"),
-                             "Requests queued for admission."),
-    "kv_cache_usage_ratio": (("kv_usage", "kv_cache_usage", "kv_cache_usage_ratio"),
-                             "Fraction of KV-cache pages in use (0..1)."),
-    "kv_cache_capacity_tokens": (("capacity_tokens", "kv_capacity_tokens", "capacity"),
-                                 "Tokens of KV-cache capacity."),
-}
-
-
-def _fmt(v: float) -> str:
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(float(v)) if not float(v).is_integer() else str(int(v)) + ".0"
-
-
-def _escape(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-class Histogram:
-    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]) -> None:
-        self.name, self.help = name, help_text
-        self.buckets = buckets
-        self.counts = [0] * len(buckets)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.sum += value
-        self.count += 1
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-                break
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, n in zip(self.buckets, self.counts):
-            cumulative += n
-            lines.append(f'{self.name}_bucket{{le="{_fmt(bound)}"}} {cumulative}')
-        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{self.name}_sum {_fmt(self.sum)}")
-        lines.append(f"{self.name}_count {self.count}")
-        return lines
+# Engine statistic -> (metric, kind, help). The first of the keys the stats carry is used
+# (EngineStats names, or the short names a test engine reports).
+_ENGINE_SERIES = (
+    (("num_running", "running"), "vllm:num_requests_running", "gauge",
+     "Number of requests in the running batch."),
+    (("num_waiting", "waiting"), "vllm:num_requests_waiting", "gauge",
+     "Number of requests waiting to be scheduled."),
+    (("kv_usage", "kv_cache_usage"), "vllm:kv_cache_usage_perc", "gauge",
+     "KV-cache usage: 1 means 100 percent (the fuller page pool)."),
+    (("num_preemptions",), "vllm:num_preemptions", "counter",
+     "Cumulative number of preemptions (requests whose KV pages were taken back)."),
+    (("kv_capacity_tokens", "capacity_tokens"), "autoopt:kv_cache_capacity_tokens", "gauge",
+     "Tokens of context the KV cache holds."),
+)
 
 
 def stats_dict(stats: Any) -> dict[str, Any]:
@@ -81,92 +52,95 @@ def stats_dict(stats: Any) -> dict[str, Any]:
     return {k: v for k, v in vars(stats).items() if not k.startswith("_")}
 
 
-class Metrics:
-    """Request-level counters and latency histograms; engine gauges are read at scrape time."""
+class EngineCollector(Collector):
+    """Engine gauges and counters, read from `engine.stats()` when scraped."""
 
-    def __init__(self) -> None:
-        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
-                              "Time from request arrival to its first generated token.",
-                              TTFT_BUCKETS)
-        self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds",
-                             "Time between consecutive generated tokens of a request.", ITL_BUCKETS)
-        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds",
-                             "Time from request arrival to its last token.", E2E_BUCKETS)
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.finished: dict[tuple[str, str], int] = {}
-        self.errors: dict[int, int] = {}
-        self._recent: deque[tuple[float, int]] = deque()
+    def __init__(self, engine: Any, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        labels = {"model_name": self.model_name}
+        alive = getattr(self.engine, "is_running", True) is not False
+        healthy = GaugeMetricFamily("autoopt:engine_healthy",
+                                    "1 while the engine serves, 0 once it has stopped on an error.",
+                                    labels=list(labels))
+        healthy.add_metric(list(labels.values()), 1.0 if alive else 0.0)
+        yield healthy
+        try:
+            stats = stats_dict(self.engine.stats())
+        except Exception:  # noqa: BLE001 - a scrape must not fail because the engine did
+            return
+        for keys, name, kind, help_text in _ENGINE_SERIES:
+            key = next((k for k in keys if isinstance(stats.get(k), int | float)), None)
+            if key is None:
+                continue
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                name, help_text, labels=list(labels))
+            family.add_metric(list(labels.values()), float(stats[key]))
+            yield family
+
+
+class ServerMetrics:
+    """What the HTTP layer records; `render()` is the /metrics body."""
+
+    def __init__(self, model_name: str = "", engine: Any = None) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        reg, m = self.registry, ["model_name"]
+        self.ttft = Histogram("vllm:time_to_first_token_seconds",
+                              "Time from request arrival to its first generated token.", m,
+                              buckets=TTFT_BUCKETS, registry=reg)
+        self.itl = Histogram("vllm:inter_token_latency_seconds",
+                             "Time between consecutive generated tokens of a request.", m,
+                             buckets=ITL_BUCKETS, registry=reg)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
+                             "Time from request arrival to its end.", m, buckets=E2E_BUCKETS,
+                             registry=reg)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.",
+                                     m, registry=reg)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", m,
+                                         registry=reg)
+        self.request_prompt = Histogram("vllm:request_prompt_tokens",
+                                        "Prompt tokens per finished request.", m,
+                                        buckets=TOKEN_BUCKETS, registry=reg)
+        self.request_generation = Histogram("vllm:request_generation_tokens",
+                                            "Generated tokens per finished request.", m,
+                                            buckets=TOKEN_BUCKETS, registry=reg)
+        self.success = Counter("vllm:request_success",
+                               "Finished requests by finish reason (stop, length, abort, error).",
+                               ["model_name", "finished_reason"], registry=reg)
+        self.finished = Counter("autoopt:requests_finished",
+                                "Finished requests by endpoint and finish reason.",
+                                ["model_name", "endpoint", "finished_reason"], registry=reg)
+        self.http = Counter("http_requests", "HTTP responses by handler, method and status code "
+                            "(499: the client went away before the answer).",
+                            ["handler", "method", "status"], registry=reg)
+        if engine is not None:
+            reg.register(EngineCollector(engine, model_name))
 
     def first_token(self, arrival: float, now: float) -> None:
-        self.ttft.observe(now - arrival)
+        self.ttft.labels(self.model_name).observe(now - arrival)
 
     def tokens(self, n: int, gap: float | None, now: float) -> None:
         """`n` tokens arrived together, `gap` seconds after the previous ones (None: first)."""
-        self.generation_tokens += n
+        self.generation_tokens.labels(self.model_name).inc(n)
         if gap is not None and n > 0:
             for _ in range(n):  # a multi-token step spreads its gap over its tokens
-                self.itl.observe(gap / n)
-        self._recent.append((now, n))
+                self.itl.labels(self.model_name).observe(gap / n)
 
-    def finish(self, endpoint: str, reason: str, prompt_tokens: int, arrival: float) -> None:
-        self.prompt_tokens += prompt_tokens
-        key = (endpoint, reason)
-        self.finished[key] = self.finished.get(key, 0) + 1
-        self.e2e.observe(time.monotonic() - arrival)
+    def finish(self, endpoint: str, reason: str, prompt_tokens: int, completion_tokens: int,
+               elapsed: float) -> None:
+        m = self.model_name
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.request_prompt.labels(m).observe(prompt_tokens)
+        self.request_generation.labels(m).observe(completion_tokens)
+        self.success.labels(m, reason).inc()
+        self.finished.labels(m, endpoint, reason).inc()
+        self.e2e.labels(m).observe(elapsed)
 
-    def error(self, status: int) -> None:
-        self.errors[status] = self.errors.get(status, 0) + 1
+    def response(self, handler: str, method: str, status: int) -> None:
+        self.http.labels(handler, method, str(status)).inc()
 
-    def tokens_per_second(self, now: float | None = None) -> float:
-        now = time.monotonic() if now is None else now
-        while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
-            self._recent.popleft()
-        return sum(n for _, n in self._recent) / RATE_WINDOW_S
-
-    def render(self, engine_stats: Any = None) -> str:
-        lines: list[str] = []
-
-        def sample(name: str, kind: str, help_text: str, value: float) -> None:
-            full = f"{PREFIX}_{name}"
-            lines.extend([f"# HELP {full} {help_text}", f"# TYPE {full} {kind}",
-                          f"{full} {_fmt(value)}"])
-
-        raw = stats_dict(engine_stats)
-        stats = {k: v for k, v in raw.items()
-                 if isinstance(v, int | float) and not isinstance(v, bool)}
-        used: set[str] = set()
-        for name, (keys, help_text) in _WELL_KNOWN.items():
-            key = next((k for k in keys if k in stats), None)
-            if key is not None:
-                used.add(key)
-                sample(name, "gauge", help_text, stats[key])
-        for key in sorted(set(stats) - used):
-            kind = "counter" if key.endswith("_total") else "gauge"
-            sample(f"engine_{key}", kind, f"Engine statistic {key}.", stats[key])
-        for key, value in sorted(raw.items()):  # labelled counters, e.g. finishes by reason
-            if isinstance(value, dict) and key.endswith("_total") and value:
-                full = f"{PREFIX}_engine_{key}"
-                lines += [f"# HELP {full} Engine statistic {key}.", f"# TYPE {full} counter"]
-                label = "finish_reason" if "finished" in key else "key"
-                lines += [f'{full}{{{label}="{_escape(str(k))}"}} {_fmt(v)}'
-                          for k, v in sorted(value.items())]
-        sample("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
-               self.prompt_tokens)
-        sample("generation_tokens_total", "counter", "Generated tokens.", self.generation_tokens)
-        sample("generation_tokens_per_second", "gauge",
-               f"Generated tokens per second over the last {RATE_WINDOW_S:g} s.",
-               self.tokens_per_second())
-        full = f"{PREFIX}_requests_finished_total"
-        lines += [f"# HELP {full} Finished requests by endpoint and finish reason.",
-                  f"# TYPE {full} counter"]
-        for (endpoint, reason), n in sorted(self.finished.items()):
-            lines.append(f'{full}{{endpoint="{_escape(endpoint)}",'
-                         f'finish_reason="{_escape(reason)}"}} {n}')
-        full = f"{PREFIX}_request_errors_total"
-        lines += [f"# HELP {full} Requests answered with an HTTP error, by status.",
-                  f"# TYPE {full} counter"]
-        lines += [f'{full}{{status="{s}"}} {n}' for s, n in sorted(self.errors.items())]
-        for hist in (self.ttft, self.itl, self.e2e):
-            lines += hist.render()
-        return "\n".join(lines) + "\n"
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

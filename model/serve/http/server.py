@@ -1,20 +1,32 @@
 """`autoopt serve`: load the engine, build the app, run uvicorn (one process, or rank 0 of a
-tensor-parallel group whose other ranks follow its steps)."""
+tensor-parallel group whose other ranks follow its steps).
+
+Uvicorn runs with a deadline on each request's head (`HeadTimeoutH11Protocol`; the body's
+deadline is the guard's) and a watcher that ends the server when the engine stops on a fatal
+error: the process then exits with status 1 and a clear log line, so a supervisor restarts it.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import h11
 from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from model.serve.http.app import create_app
+from model.serve.http.limits import HTTPLimits
+
+log = logging.getLogger(__name__)
+HEALTH_GRACE_S = 1.0  # how long /health reports a dead engine before the server exits
 
 
 @dataclass(frozen=True)
@@ -37,6 +49,9 @@ class ServeOptions:
     ep: int | None = None
     attention_backend: str | None = None  # auto | torch | flashinfer
     demo_checkpoint: Path | None = None  # where the demo is written when `model` is None
+    allowed_origins: tuple[str, ...] = ()  # web origins that may call the server ("*": any)
+    limits: HTTPLimits = field(default_factory=HTTPLimits)
+    batch_invariant: bool | None = None  # EngineConfig.batch_invariant
 
 
 def model_path(opts: ServeOptions, say: Callable[[str], None] = print) -> Path:
@@ -59,7 +74,7 @@ def engine_config(opts: ServeOptions, path: Path):
 
     given = {name: getattr(opts, name) for name in (
         "device", "dtype", "kernels", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
-        "gpu_memory_utilization", "tp", "ep", "attention_backend")
+        "gpu_memory_utilization", "tp", "ep", "attention_backend", "batch_invariant")
         if getattr(opts, name) is not None}
     return EngineConfig(model=str(path), **given)
 
@@ -77,7 +92,8 @@ def build_server(opts: ServeOptions, say: Callable[[str], None] = print,
                          "tokenizer; add one (autoopt demo-checkpoint writes one)")
     name = opts.served_model_name or Path(path).name
     app = create_app(engine, engine.tokenizer, name, api_key=opts.api_key,
-                     max_model_len=engine.max_model_len)
+                     max_model_len=engine.max_model_len, allowed_origins=opts.allowed_origins,
+                     limits=opts.limits)
     say(engine.engine.startup_report)
     return app, engine
 
@@ -90,14 +106,95 @@ def serving_banner(opts: ServeOptions, app: FastAPI, engine: Any) -> str:
 
 
 def run_server(opts: ServeOptions, say: Callable[[str], None] = print) -> None:
-    import uvicorn
-
     if opts.tp is not None and opts.tp > 1:
         run_tp_server(opts, say)  # rank 0 serves; this process watches the ranks
         return
     app, engine = build_server(opts, say)
     say(serving_banner(opts, app, engine))
-    uvicorn.run(app, host=opts.host, port=opts.port, log_level="info")
+    serve_until_stopped(app, engine, opts)
+
+
+def uvicorn_config(app: Any, host: str, port: int, limits: HTTPLimits, **kwargs: Any):
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, http=head_timeout_protocol(limits),
+                          timeout_keep_alive=5, **kwargs)
+
+
+def serve_until_stopped(app: FastAPI, engine: Any, opts: ServeOptions) -> None:
+    """Run uvicorn until Ctrl-C/SIGTERM, or until the engine dies (then SystemExit(1))."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn_config(app, opts.host, opts.port, opts.limits,
+                                           log_level="info"))
+    threading.Thread(target=_stop_when_engine_dies, args=(engine, server), daemon=True,
+                     name="engine-watch").start()
+    server.run()
+    if getattr(engine, "error", None) is not None:
+        log.critical("the server stopped because its engine failed (%s); exiting with status 1 "
+                     "so that a supervisor restarts it", type(engine.error).__name__)
+        raise SystemExit(1)
+
+
+def _stop_when_engine_dies(served: Any, server: Any) -> None:
+    # A dead engine cannot serve again (and under TP leaves the workers mid-step): end the
+    # server, after a moment in which /health reports why, instead of answering 503 forever.
+    while not server.should_exit:
+        if served.error is not None:
+            time.sleep(HEALTH_GRACE_S)
+            server.should_exit = True
+            return
+        time.sleep(0.2)
+
+
+class HeadTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for each request's head.
+
+    uvicorn itself closes a connection idle after an answer (keep-alive), but any byte cancels
+    that timer, so a client sending a header a byte at a time holds a connection for ever. Here
+    a connection that has not sent a complete request head within `head_timeout_s` of opening
+    (or of its previous answer) is closed.
+    """
+
+    head_timeout_s = 10.0
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:  # a complete head arrived
+            self._cancel_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._cancel_head_timer()
+            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def _cancel_head_timer(self) -> None:
+        timer = getattr(self, "_head_timer", None)
+        if timer is not None:
+            timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            log.info("closing a connection from %s that sent no complete request head within "
+                     "%g s", self.client, self.head_timeout_s)
+            self.transport.close()
+
+
+def head_timeout_protocol(limits: HTTPLimits) -> type[HeadTimeoutH11Protocol]:
+    return type("HeadTimeoutH11Protocol", (HeadTimeoutH11Protocol,),
+                {"head_timeout_s": limits.header_timeout_s})
 
 
 # ---- tensor parallel ------------------------------------------------------------------------
@@ -154,33 +251,18 @@ def _serve_rank(group, opts: ServeOptions) -> None:
 
 
 def _serve(engine, opts: ServeOptions) -> None:
-    import uvicorn
-
     from model.serve.engine import AsyncEngine
 
     served = AsyncEngine(engine)
     app, _ = build_server(opts, _print, engine=served)
-    server = uvicorn.Server(uvicorn.Config(app, host=opts.host, port=opts.port,
-                                           log_level="info"))
-    threading.Thread(target=_stop_when_engine_dies, args=(served, server), daemon=True,
-                     name="tp-engine-watch").start()
     _print(serving_banner(opts, app, served))
-    server.run()
-    if served.error is not None:
+    try:
+        serve_until_stopped(app, served, opts)
+    except SystemExit:
         # The workers may be stuck mid-step: fail, and the launcher stops them.
         raise RuntimeError(f"rank 0's engine stopped on an error, so the server shut down: "
-                           f"{served.error!r}")
+                           f"{served.error!r}") from None
     engine.runner.stop_workers()
-
-
-def _stop_when_engine_dies(served, server) -> None:
-    # A dead engine thread leaves the workers mid-step: take the server (and the group) down
-    # instead of answering 503 forever.
-    while not server.should_exit:
-        if served.error is not None:
-            server.should_exit = True
-            return
-        time.sleep(0.5)
 
 
 def _print(line: str) -> None:
