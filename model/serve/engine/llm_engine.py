@@ -20,6 +20,7 @@ import torch
 
 from ...beam import Batch, BeamForCausalLM, CausalAttention
 from ..runner import ModelRunner
+from .batch_invariant import TokenwiseRunner
 from .faults import StepIsolation
 from .kv_cache import KVLayout, PagedKVCache
 from .outputs import (
@@ -63,6 +64,7 @@ class EngineConfig:
     tp: int = 1  # tensor-parallel ranks (model/serve/tp_worker.py starts them)
     ep: int = 1  # expert parallelism: 1 (experts split by TP) or tp (experts split across ranks)
     attention_backend: str = "auto"  # auto | torch | flashinfer (model/serve/flashinfer_attention)
+    batch_invariant: bool = False  # one forward per token: batching never changes a token
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -138,6 +140,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, cuda_graphs=config.cuda_graphs,
                                   attention_backend=config.attention_backend)
+        if config.batch_invariant:
+            self.runner = TokenwiseRunner(self.runner)
         self.sampler = Sampler()
         self._isolation = StepIsolation(enabled=self.isolate_step_failures)
         eos = self.model_config.eos_token_id

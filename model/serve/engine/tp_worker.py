@@ -123,7 +123,10 @@ def follow_steps(engine: LLMEngine, control: TPGroup) -> None:
 # ---- one rank -------------------------------------------------------------------------------
 class RankEngine(LLMEngine):
     """One rank's engine: its shard and KV cache; the KV budget is the smallest rank's, so every
-    rank holds the same pages."""
+    rank holds the same pages. A failing step is fatal here: re-running part of it on rank 0
+    alone would leave the other ranks waiting in its collectives (engine/faults.py)."""
+
+    isolate_step_failures = False
 
     def __init__(self, config: EngineConfig, model, control: TPGroup) -> None:
         self.control = control
