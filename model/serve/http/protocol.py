@@ -22,24 +22,31 @@ MAX_STOP_CHARS = 1024  # each; a stop string is matched against every decoded ch
 MAX_LOGPROBS = 20
 
 
+# pydantic names the member of a union it tried in the error's location; not a field.
+_UNION_MEMBERS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
+
+
 def loc_to_param(loc: tuple[Any, ...], prefix: str = "") -> str:
     """pydantic's error location as the API's parameter path: `messages[0].content[1].text`."""
     out = prefix
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif isinstance(part, str) and ("[" in part or "-" in part):
-            continue  # a union member's name (`list[...]`, `function-after[...]`), not a field
+        elif isinstance(part, str) and ("[" in part or "-" in part or part in _UNION_MEMBERS):
+            continue
         else:
             out += f".{part}" if out else str(part)
     return out
 
 
 def validation_error(e: ValidationError, prefix: str = "") -> APIError:
-    first = e.errors()[0]
-    if first["type"] == "json_invalid":
+    errors = e.errors()
+    if errors[0]["type"] == "json_invalid":
+        first = errors[0]
         return APIError(400, f"the request body is not valid JSON ({first['msg']}); send a JSON "
                         "object", code="invalid_json")
+    # A union reports one error per member; the one that went deepest says the most.
+    first = max(errors, key=lambda err: len(loc_to_param(tuple(err["loc"]))))
     param = loc_to_param(tuple(first["loc"]), prefix) or None
     where = f"'{param}': " if param else ""
     got = first.get("input")
