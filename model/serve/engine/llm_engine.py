@@ -233,6 +233,7 @@ class LLMEngine:
             seq = self._new_sequence(request_id, prompt_token_ids, params)
         except Exception as exc:
             log.error("request %s failed while starting", request_id, exc_info=exc)
+            self._finished["error"] += 1
             raise RequestFailedError(request_id, "starting") from exc
         self._requests[request_id] = seq
         self.scheduler.add(seq)
