@@ -4,6 +4,7 @@ chunked prefill, after preemption, and when its generated tokens come back as a 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -111,3 +112,21 @@ def test_serve_flag_reaches_the_engine(monkeypatch, tmp_path):
     assert server.engine_config(seen[0], tmp_path).batch_invariant is True
     CliRunner().invoke(app, ["serve"])
     assert server.engine_config(seen[1], tmp_path).batch_invariant is False
+
+
+@pytest.mark.slow
+def test_the_gpu_benchmark_dry_run(tmp_path):
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "batch_invariant_bench.py"
+    spec = importlib.util.spec_from_file_location("batch_invariant_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--dry-run", "--concurrency", "2", "--check-prompts", "2",
+                         "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "batch_invariant.json").read_text())
+    assert [m["batch_invariant"] for m in saved["modes"]] == [False, True]
+    invariant = saved["modes"][1]["invariance"]
+    assert invariant["batched_logprobs_differ"] == invariant["recomputed_differ"] == 0
+    assert all(m["rows"][0]["generated_tokens"] == 8 for m in result["modes"])
+    assert "| batch-invariant | 2 |" in (tmp_path / "batch_invariant.md").read_text()
