@@ -27,7 +27,7 @@ from .weights import expected_tensors
 log = logging.getLogger(__name__)
 DEMO_FILES = frozenset({"config.json", "model.safetensors", "generation_config.json",
                         "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"})
-COMPLETE_MARKER = ".complete"  # written last into the staging directory, before the rename
+COMPLETE_MARKER = ".complete"  # the last file write_demo_checkpoint writes
 
 
 def random_tensor(
@@ -77,6 +77,7 @@ def write_demo_checkpoint(
     }
     (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     write_tokenizer_files(path, cfg.vocab_size)
+    (path / COMPLETE_MARKER).write_text("every file of the demo checkpoint is written\n")
     return path
 
 
@@ -102,9 +103,8 @@ def ensure_demo_checkpoint(path: str | Path, preset_name: str = "tiny") -> Path:
         if path.exists():
             _remove_partial(path)
         staging = path.parent / f".{path.name}.partial-{os.getpid()}"
-        write_demo_checkpoint(staging, preset_name)
-        (staging / COMPLETE_MARKER).write_text("written by ensure_demo_checkpoint\n")
-        _fsync_dir(staging)
+        write_demo_checkpoint(staging, preset_name)  # its last file is the completion marker
+        _fsync_tree(staging)
         os.replace(staging, path)
         _fsync_dir(path.parent)
     return path
@@ -122,6 +122,14 @@ def _remove_partial(path: Path) -> None:
                          "demo checkpoint directory")
     log.warning("%s is an incomplete demo checkpoint (an interrupted write); rebuilding it", path)
     shutil.rmtree(path)
+
+
+def _fsync_tree(path: Path) -> None:
+    # Flushed before the rename, so a crash after it cannot leave a named but empty file.
+    for file in path.iterdir():
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+    _fsync_dir(path)
 
 
 def _fsync_dir(path: Path) -> None:
