@@ -174,6 +174,20 @@ class FakeEngine:
 
 
 @contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Tiny models on a shared CPU: OpenMP threads spinning for tiny ops cost more than they
+    give (up to 20x per step under load), so real-engine test modules run on one."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextmanager
 def serve(app: Any, limits: HTTPLimits | None = None) -> Iterator[int]:
     """Run `app` as `autoopt serve` runs it (uvicorn, the head-timeout protocol) on a free
     127.0.0.1 port in a thread; yields the port."""

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-import torch
 
 from model.demo import write_demo_checkpoint
 from model.serve.engine import AsyncEngine, EngineConfig
@@ -35,7 +34,7 @@ from tests.api_cases import (
     NOT_JSON,
     raw_json_with,
 )
-from tests.api_support import MODEL, metric, scrape, serve, server_errors
+from tests.api_support import MODEL, metric, scrape, serve, server_errors, torch_threads
 
 LIMITS = HTTPLimits(max_request_bytes=256 * 1024, body_timeout_s=1.0, header_timeout_s=1.0)
 PROMPT = "The weather in Paris is"
@@ -43,16 +42,13 @@ PROMPT = "The weather in Paris is"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[tuple[str, AsyncEngine]]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops on a shared machine: OpenMP spinning costs more
     ckpt = write_demo_checkpoint(tmp_path_factory.mktemp("demo"), "tiny", seed=0)
     engine = AsyncEngine.from_config(EngineConfig(
         model=str(ckpt), device="cpu", dtype="bfloat16", kernels="reference",
         max_model_len=MAX_MODEL_LEN, max_num_seqs=8, kv_cache_bytes=16 * 2**20))
     app = create_app(engine, engine.tokenizer, MODEL, max_model_len=MAX_MODEL_LEN, limits=LIMITS)
-    with serve(app, LIMITS) as port:
+    with torch_threads(1), serve(app, LIMITS) as port:
         yield f"http://127.0.0.1:{port}", engine
-    torch.set_num_threads(threads)
 
 
 def _raw(port: int, data: bytes, read: bool = True) -> bytes:

@@ -19,7 +19,6 @@ import anthropic
 import httpx
 import openai
 import pytest
-import torch
 
 import model.serve.engine.llm_engine as llm_engine
 import model.serve.http.server as server_mod
@@ -28,7 +27,7 @@ from model.serve.engine import AsyncEngine, EngineConfig
 from model.serve.engine.outputs import RequestState
 from model.serve.http.app import create_app
 from model.serve.http.server import ServeOptions, serve_until_stopped
-from tests.api_support import metric, scrape, serve
+from tests.api_support import metric, scrape, serve, torch_threads
 
 MODEL = "beam-demo"
 ENGINE_KW = {"device": "cpu", "dtype": "float32", "kernels": "reference", "max_model_len": 256,
@@ -39,11 +38,8 @@ SEEDS = {"starting": 6660, "running its model step": 6661, "sampling its next to
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread() -> Iterator[None]:
-    # Tiny ops on a shared machine: OpenMP's spinning threads cost more than they give.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

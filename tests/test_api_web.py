@@ -243,3 +243,29 @@ def test_tokenizing_does_not_block_the_event_loop(fake, monkeypatch):
         assert time.monotonic() - start < 1.0
         worker.join(30)
         assert done and done[0].status_code == 200
+
+
+# ---- flags ---------------------------------------------------------------------------------------
+def test_serve_flags_and_the_api_key_from_the_environment(monkeypatch):
+    from typer.testing import CliRunner
+
+    import model.serve.http.server as server
+    from autoopt.cli import app
+
+    seen = []
+    monkeypatch.setattr(server, "run_server", lambda opts, say: seen.append(opts))
+    monkeypatch.setenv("AUTOOPT_API_KEY", "from-env")
+    args = ["serve", "--allowed-origins", "http://a.test,http://b.test", "--allowed-origins",
+            "http://c.test", "--max-request-bytes", "1000", "--body-timeout", "2",
+            "--header-timeout", "3"]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    opts = seen[-1]
+    assert opts.api_key == "from-env"
+    assert opts.allowed_origins == ("http://a.test", "http://b.test", "http://c.test")
+    assert opts.limits == HTTPLimits(1000, 2.0, 3.0)
+    assert CliRunner().invoke(app, ["serve", "--api-key", "flag"]).exit_code == 0
+    assert seen[-1].api_key == "flag" and seen[-1].allowed_origins == ()
+    monkeypatch.delenv("AUTOOPT_API_KEY")
+    assert CliRunner().invoke(app, ["serve"]).exit_code == 0 and seen[-1].api_key is None
+    bad = CliRunner().invoke(app, ["serve", "--body-timeout", "0"])
+    assert bad.exit_code == 2 and "body_timeout_s must be > 0" in bad.output

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from model.demo import write_demo_checkpoint
 from model.serve.engine import EngineConfig, LLMEngine, SamplingParams
 from model.serve.engine.kv_cache import FULL, SWA
+from tests.api_support import torch_threads
 
 G = 8
 GREEDY = SamplingParams(max_tokens=G, temperature=0, ignore_eos=True, logprobs=0)
@@ -24,10 +25,8 @@ BASE = {"device": "cpu", "dtype": "bfloat16", "kernels": "reference", "page_size
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops on a shared machine: OpenMP spinning costs more
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")
