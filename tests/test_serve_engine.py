@@ -208,5 +208,5 @@ def test_abort_frees_everything_and_reports(checkpoints, prompts) -> None:
         eng.step()
     eng.cache.check_no_leaks(set())
     stats = eng.stats()
-    assert stats.requests_finished_total == {"stop": 0, "length": 2, "abort": 1}
+    assert stats.requests_finished_total == {"stop": 0, "length": 2, "abort": 1, "error": 0}
     assert stats.num_running == stats.num_waiting == 0 and stats.kv_usage == 0.0
