@@ -1,4 +1,4 @@
-"""`autoopt generate` and `autoopt serve`: the serving commands' flags (issue 3).
+"""`autoopt generate` and `autoopt serve`: the serving commands' flags.
 
 Registered on the app by `autoopt/cli.py` through `register`, which keeps the `--help` order.
 """
@@ -20,7 +20,7 @@ def register(app: typer.Typer) -> None:
     app.command()(serve)
 
 
-# ---- serving (issue 3) -------------------------------------------------------------------------
+# ---- generate ----------------------------------------------------------------------------------
 ATTENTION_HELP = ("auto (FlashInfer on a GPU where it is installed, else torch), torch or "
                   "flashinfer (default: auto).")
 
@@ -40,7 +40,7 @@ class GenerateArgs:
     max_model_len: int | None
     cuda_graphs: bool | None
     json: bool
-    tp: int | None = None  # issue 7
+    tp: int | None = None
     ep: int | None = None
     attention_backend: str | None = None
 
@@ -85,7 +85,7 @@ def generate(
     except (RequestError, ValueError) as exc:
         Console(stderr=True).print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
-    except TPError as exc:  # a rank died or failed (issue 7)
+    except TPError as exc:  # a rank died or failed
         Console(stderr=True).print("error: " + str(exc), markup=False, highlight=False,
                                          soft_wrap=True)
         raise typer.Exit(1) from None
@@ -101,7 +101,7 @@ def generate(
         print(result.text if engine.tokenizer is not None else result.token_ids)
 
 
-# ---- serve (issue 3b) --------------------------------------------------------------------------
+# ---- serve -------------------------------------------------------------------------------------
 def serve(
     model: Path = typer.Option(None, "--model", help="Checkpoint directory (default: the demo)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
@@ -164,7 +164,7 @@ def serve(
     except (ValueError, FileNotFoundError) as exc:
         Console(stderr=True).print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
-    except TPError as exc:  # a rank died or failed: the group is down (issue 7)
+    except TPError as exc:  # a rank died or failed: the group is down
         Console(stderr=True).print("error: " + str(exc), markup=False, highlight=False,
                                          soft_wrap=True)
         raise typer.Exit(1) from None

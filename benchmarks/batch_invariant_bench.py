@@ -1,7 +1,7 @@
 """What batch-invariant mode costs, and whether it holds, on one device.
 
     python benchmarks/batch_invariant_bench.py --out $OUT                 # one H200, ~3-6 minutes
-    python benchmarks/batch_invariant_bench.py --dry-run --out /tmp/bib   # CPU, tiny preset
+    python benchmarks/batch_invariant_bench.py --dry-run --out bib-dry     # CPU, tiny preset
 
 The model is serve_bench.py's TP8-rank-shaped Beam (random BF16 weights, default 4 layers). For
 each mode (default, then `batch_invariant`) it runs:

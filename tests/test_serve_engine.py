@@ -35,7 +35,7 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(checkpoints, prompts) -> dict:
     """transformers' greedy continuation of every prompt, per checkpoint (FP32, eager attention,
-    grouped_mm experts: the pinned reference of NUMERICS.md)."""
+    grouped_mm experts: the pinned reference of docs/numerics.md)."""
     from transformers import AutoModelForCausalLM
 
     out = {}

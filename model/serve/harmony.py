@@ -1,4 +1,4 @@
-"""Split Beam's generated text into reasoning, answer and tool calls (format: shared/FORMAT.md).
+"""Split Beam's generated text into reasoning, answer and tool calls (format: docs/format.md).
 
 The input is what the model generates after the prompt's `<|start|>assistant`, decoded with its
 special tokens, e.g.

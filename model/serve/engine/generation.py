@@ -7,7 +7,7 @@ generated text with its special tokens, for the Harmony parser) and one final `F
   held back, and the engine request is aborted at the match.
 - The text of a stop token (`<|return|>`, `<|call|>`) that ends generation is not emitted; the
   parser closes the message at the end of the text just as it would at the token.
-- Reasoning budget (FORMAT.md, REASONING_BUDGET): reasoning tokens are counted as they arrive;
+- Reasoning budget (docs/format.md, REASONING_BUDGET): reasoning tokens are counted as they arrive;
   when a response has spent its budget the engine request is aborted and a new one continues from
   prompt + generated tokens + `<|end|><|start|>assistant`, so the model must go on to its answer
   or a tool call (the engine has no prefix cache, so that request prefills the context again).
@@ -136,7 +136,7 @@ class StopMatcher:
 
 
 class ReasoningTracker:
-    """Counts reasoning tokens and sees where reasoning closes, following FORMAT.md's headers."""
+    """Counts reasoning tokens and sees where reasoning closes (headers of docs/format.md)."""
 
     def __init__(self, budget: int | None) -> None:
         self.budget = budget

@@ -1,6 +1,6 @@
 """What the OpenAI and Anthropic endpoints share: the server context, prompts, limits, starting.
 
-Tool choice (FORMAT.md leaves it to the server):
+Tool choice (docs/format.md leaves it to the server):
 - `auto`: tools are shown to the model; it decides.
 - `none`: tools are not shown, and a call the model writes anyway is dropped from the response
   (it appears neither as a tool call nor as text).
