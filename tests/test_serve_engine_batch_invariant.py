@@ -71,10 +71,22 @@ def test_greedy_tokens_do_not_depend_on_the_batch(ckpt, prompts):
     eng.cache.check_no_leaks(set())
 
 
-def prefill_vs_decode(ckpt: Path, prompt: list[int], invariant: bool) -> list[tuple]:
+@pytest.mark.gpu
+def test_greedy_tokens_do_not_depend_on_the_batch_on_the_gpu(ckpt, prompts):
+    """The same on CUDA, with CUDA-graph decode and the GPU's attention backend."""
+    gpu = {"device": "cuda", "cuda_graphs": True, "attention_backend": "auto"}
+    alone_eng = engine(ckpt, True, **gpu)
+    alone = [trace(alone_eng.generate([p], GREEDY)[0]) for p in prompts]
+    batched = engine(ckpt, True, max_num_batched_tokens=16, **gpu).generate(prompts, GREEDY)
+    assert [trace(r) for r in batched] == alone
+    recomputed = [pair for p in prompts for pair in prefill_vs_decode(ckpt, p, True, **gpu)]
+    assert all(decoded == prefilled for decoded, prefilled in recomputed)
+
+
+def prefill_vs_decode(ckpt: Path, prompt: list[int], invariant: bool, **kw) -> list[tuple]:
     """Pairs (decoded, prefilled) for each generated token: the token's logprob when decoded,
     and when the prompt plus the tokens before it are prefilled in one chunk (a recompute)."""
-    eng = engine(ckpt, invariant)
+    eng = engine(ckpt, invariant, **kw)
     first = eng.generate([prompt], GREEDY)[0]
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=0)
     again = eng.generate([prompt + first.token_ids[:k] for k in range(1, G)], one)

@@ -3,8 +3,10 @@
 `LLMEngine` (llm_engine.py) steps a `Scheduler` over a paged KV cache (kv_cache.py) through the
 `ModelRunner` (model/serve/runner.py and its attention backends) and a `Sampler`; `AsyncEngine`
 runs it on a background thread for asyncio callers; `generation.py` drives one API request
-through it (stop strings, reasoning budget); `offline.py` and `tp_worker.py` are `autoopt
-generate` and the tensor-parallel ranks.
+through it (stop strings, reasoning budget); `faults.py` decides which failures stay with their
+request and which stop the engine; `batch_invariant.py` is the mode in which batching never
+changes a token; `offline.py` and `tp_worker.py` are `autoopt generate` and the tensor-parallel
+ranks.
 
 The names below are imported on first use, so `model.serve.engine.kv_cache` (which the attention
 backends import) can load without pulling in the runner that imports them.

@@ -125,8 +125,9 @@ def serve_until_stopped(app: FastAPI, engine: Any, opts: ServeOptions) -> None:
     """Run uvicorn until Ctrl-C/SIGTERM, or until the engine dies (then SystemExit(1))."""
     import uvicorn
 
+    # Bounded shutdown: after an engine failure the process must exit even if a client lingers.
     server = uvicorn.Server(uvicorn_config(app, opts.host, opts.port, opts.limits,
-                                           log_level="info"))
+                                           log_level="info", timeout_graceful_shutdown=10))
     threading.Thread(target=_stop_when_engine_dies, args=(engine, server), daemon=True,
                      name="engine-watch").start()
     server.run()
