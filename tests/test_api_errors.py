@@ -167,6 +167,15 @@ def test_sdk_errors(base):
         claude.messages.create(model=MODEL, max_tokens=5000, messages=GOOD_MESSAGES["messages"])
 
 
+def test_error_messages_do_not_echo_huge_values(base):
+    for path, body in (("/v1/chat/completions", {**GOOD_CHAT, "model": "x" * 100_000}),
+                       ("/v1/messages", {**GOOD_MESSAGES, "model": "x" * 100_000}),
+                       ("/v1/chat/completions", {**GOOD_CHAT, "reasoning_effort": "y" * 100_000}),
+                       ("/v1/chat/completions", {**GOOD_CHAT, "temperature": "z" * 100_000})):
+        r = httpx.post(f"{base}{path}", json=body, timeout=30)
+        assert 400 <= r.status_code < 500 and len(r.content) < 1000, r.text[:200]
+
+
 def test_unknown_route_and_method(base):
     assert_openai_error(httpx.get(f"{base}/v1/nothing"), 404, None)
     assert_openai_error(httpx.get(f"{base}/v1/chat/completions"), 405, None)

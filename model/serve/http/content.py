@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from model.serve.http.errors import APIError
+from model.serve.http.errors import APIError, short
 from model.serve.http.protocol import ChatMessage, MessagesRequest, validation_error
 
 
@@ -72,8 +72,8 @@ def parse_block(block: Any, kinds: dict[str, type[_Block]], where: str, owner: s
     kind = block.get("type")
     model = kinds.get(kind) if isinstance(kind, str) else None
     if model is None:
-        raise APIError(400, f"'{where}' is a {kind!r} block, which {owner} cannot carry here; use "
-                       f"{', '.join(kinds)}", param=where)
+        raise APIError(400, f"'{where}' is a {short(kind)} block, which {owner} cannot carry "
+                       f"here; use {', '.join(kinds)}", param=where)
     try:
         return model.model_validate(block)
     except ValidationError as e:

@@ -60,6 +60,12 @@ def is_anthropic(path: str) -> bool:
     return path.rstrip("/") in ANTHROPIC_PATHS
 
 
+def short(value: Any, limit: int = 80) -> str:
+    """repr of a client's value for an error message, cut so a message stays a line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def internal_error(request_id: str | None, what: str = "handling this request") -> APIError:
     """A 500 that says what failed and where the details are, without exception text."""
     where = f" (request id {request_id})" if request_id else ""

@@ -26,7 +26,7 @@ import logging
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from model.serve.http.errors import APIError, internal_error
+from model.serve.http.errors import APIError, internal_error, short
 from model.serve.http.limits import HTTPLimits
 from model.serve.http.metrics import ServerMetrics
 
@@ -109,7 +109,7 @@ class RequestGuard:
         if origin is not None and "*" not in self.allowed \
                 and normalize_origin(origin) not in self.allowed:
             allowed = ", ".join(sorted(self.allowed)) or "none"
-            return APIError(403, f"cross-origin request from {origin!r} refused: this server "
+            return APIError(403, f"cross-origin request from {short(origin)} refused: this server "
                             f"answers only the origins it was started with (--allowed-origins; "
                             f"allowed: {allowed})", code="origin_not_allowed")
         method = scope["method"]
@@ -135,7 +135,7 @@ class RequestGuard:
         kind = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
         if kind != "application/json":
             return APIError(415, f"the request body must be JSON sent with 'Content-Type: "
-                            f"application/json', got {kind or 'no content type'!r}",
+                            f"application/json', got {short(kind) if kind else 'no content type'}",
                             code="unsupported_media_type")
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limits.max_request_bytes:

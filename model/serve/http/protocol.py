@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from model.serve.http.errors import APIError
+from model.serve.http.errors import APIError, short
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_SEQUENCES = 16
@@ -50,13 +50,8 @@ def validation_error(e: ValidationError, prefix: str = "") -> APIError:
     param = loc_to_param(tuple(first["loc"]), prefix) or None
     where = f"'{param}': " if param else ""
     got = first.get("input")
-    shown = "" if isinstance(got, dict | list) else f" (got {_short(got)})"
+    shown = "" if isinstance(got, dict | list) else f" (got {short(got)})"
     return APIError(400, f"{where}{first['msg']}{shown}", param=param)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def parse_body(model: type[BaseModel], body: bytes) -> Any:

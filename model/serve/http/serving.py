@@ -39,7 +39,7 @@ from model.serve.engine.generation import (
 )
 from model.serve.engine.outputs import RequestFailedError
 from model.serve.engine.sampler import RequestError
-from model.serve.http.errors import APIError, internal_error
+from model.serve.http.errors import APIError, internal_error, short
 from model.serve.http.metrics import ServerMetrics
 from model.serve.http.tools import ToolMode
 from model.serve.tokenizer import SPECIAL_TOKENS, BeamTokenizer
@@ -82,7 +82,7 @@ class ServeContext:
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+            raise APIError(404, f"the model {short(name)} does not exist; this server serves "
                            f"{self.model_name!r} (see GET /v1/models)", param="model",
                            code="model_not_found")
 
@@ -113,7 +113,7 @@ def reasoning_effort(effort: str | None) -> str:
     effort = effort or "max"
     if effort not in REASONING_EFFORTS:
         raise APIError(400, f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, "
-                       f"got {effort!r}", param="reasoning_effort")
+                       f"got {short(effort)}", param="reasoning_effort")
     return effort
 
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import jsonschema
 from jsonschema.exceptions import SchemaError
 
-from model.serve.http.errors import APIError
+from model.serve.http.errors import APIError, short
 
 # Names the chat format can carry: it reads a tool name as `[^\s<]+`.
 TOOL_NAME_RE = re.compile(r"^[^\s<]+$")
@@ -29,7 +29,7 @@ def check_schema(schema: Any, param: str) -> None:
     kind = schema.get("type", "object")
     if kind != "object":
         raise APIError(400, f"'{param}' must have \"type\": \"object\" (tool arguments are an "
-                       f"object of named parameters), got {kind!r}", param=param)
+                       f"object of named parameters), got {short(kind)}", param=param)
     try:
         validator = jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator)
         validator.check_schema(schema)
@@ -44,7 +44,7 @@ def check_schema(schema: Any, param: str) -> None:
 def check_name(name: Any, param: str) -> str:
     if not isinstance(name, str) or not TOOL_NAME_RE.match(name):
         raise APIError(400, f"'{param}' must be a non-empty tool name without whitespace or '<', "
-                       f"got {name!r}", param=param)
+                       f"got {short(name)}", param=param)
     return name
 
 
@@ -68,7 +68,7 @@ def validate_openai_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, 
         fn = tool["function"]
         name = check_name(fn.get("name"), f"tools[{i}].function.name")
         if name in names:
-            raise APIError(400, f"tool name {name!r} appears twice in 'tools'", param="tools")
+            raise APIError(400, f"tool name {short(name)} appears twice in 'tools'", param="tools")
         names.add(name)
         _check_description(fn.get("description"), f"tools[{i}].function.description")
         params = fn.get("parameters", {"type": "object", "properties": {}})
@@ -106,9 +106,9 @@ def resolve_tool_choice(
         return ("auto" if tools else "none"), None
     if isinstance(choice, str):
         if choice not in ("auto", "none", "required"):
-            raise APIError(400, f"'tool_choice' must be auto, none, required or "
-                           f'{{"type": "function", "function": {{"name": ...}}}}, got {choice!r}',
-                           param="tool_choice")
+            raise APIError(400, "'tool_choice' must be auto, none, required or "
+                           '{"type": "function", "function": {"name": ...}}, got '
+                           f"{short(choice)}", param="tool_choice")
         mode: ToolMode = choice  # type: ignore[assignment]
         name = None
     else:
@@ -123,8 +123,8 @@ def resolve_tool_choice(
                        param="tool_choice")
     known = [t["function"]["name"] for t in tools]
     if name is not None and name not in known:
-        raise APIError(400, f"'tool_choice' names {name!r}, which is not in 'tools' ({known})",
-                       param="tool_choice")
+        raise APIError(400, f"'tool_choice' names {short(name)}, which is not in 'tools' "
+                       f"({short(known, 200)})", param="tool_choice")
     return mode, name
 
 
@@ -141,6 +141,6 @@ def resolve_anthropic_tool_choice(
             {"type": "function", "function": {"name": choice.get("name")}}, tools
         )
     if kind not in mapped:
-        raise APIError(400, f"'tool_choice.type' must be auto, any, tool or none, got {kind!r}",
-                       param="tool_choice")
+        raise APIError(400, "'tool_choice.type' must be auto, any, tool or none, got "
+                       f"{short(kind)}", param="tool_choice")
     return resolve_tool_choice(mapped[kind], tools)
