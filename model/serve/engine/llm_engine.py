@@ -1,8 +1,9 @@
 """The serving engine: requests in, tokens out, one scheduler step at a time.
 
 `LLMEngine` is synchronous (`add_request`, `step`, `abort`, offline `generate`); `AsyncEngine`
-(model/serve/async_engine.py, re-exported here) runs it on a background thread for the HTTP API.
-A bad request raises `RequestError` before anything is queued.
+(async_engine.py) runs it on a background thread for the HTTP API. A bad request raises
+`RequestError` before anything is queued; a request that fails later ends with finish_reason
+"error" (faults.py).
 """
 
 from __future__ import annotations
@@ -61,9 +62,10 @@ class EngineConfig:
     page_size: int = 16
     cuda_graphs: bool = True  # GPU only
     seed: int = 0
-    tp: int = 1  # tensor-parallel ranks (model/serve/tp_worker.py starts them)
+    tp: int = 1  # tensor-parallel ranks (engine/tp_worker.py starts them)
     ep: int = 1  # expert parallelism: 1 (experts split by TP) or tp (experts split across ranks)
     attention_backend: str = "auto"  # auto | torch | flashinfer (model/serve/flashinfer_attention)
+    registry: str | None = None  # the registry DIR kernels and their lock come from (None: default)
     batch_invariant: bool = False  # one forward per token: batching never changes a token
 
     def __post_init__(self) -> None:
@@ -107,6 +109,7 @@ def load_engine_model(config: EngineConfig) -> BeamForCausalLM:
     kwargs = {"dtype": config.torch_dtype, "device": str(config.resolved_device())}
     if "kernels" in inspect.signature(weights.load_model).parameters:
         kwargs["kernels"] = config.kernels
+        kwargs["registry"] = config.registry
     return weights.load_model(config.model, **kwargs)
 
 

@@ -48,6 +48,7 @@ class ServeOptions:
     tp: int | None = None  # tensor-parallel ranks (model/serve/engine/tp_worker.py)
     ep: int | None = None
     attention_backend: str | None = None  # auto | torch | flashinfer
+    registry: str | None = None  # registry DIR of the kernels and the lock
     demo_checkpoint: Path | None = None  # where the demo is written when `model` is None
     allowed_origins: tuple[str, ...] = ()  # web origins that may call the server ("*": any)
     limits: HTTPLimits = field(default_factory=HTTPLimits)
@@ -74,7 +75,7 @@ def engine_config(opts: ServeOptions, path: Path):
 
     given = {name: getattr(opts, name) for name in (
         "device", "dtype", "kernels", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
-        "gpu_memory_utilization", "tp", "ep", "attention_backend", "batch_invariant")
+        "gpu_memory_utilization", "tp", "ep", "attention_backend", "registry", "batch_invariant")
         if getattr(opts, name) is not None}
     return EngineConfig(model=str(path), **given)
 
