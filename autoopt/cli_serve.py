@@ -141,7 +141,7 @@ def serve(
                                          "headers may take to arrive (default: 10)."),
     batch_invariant: bool = typer.Option(None, "--batch-invariant/--no-batch-invariant",
                                          help="Greedy tokens that do not depend on batching or "
-                                         "preemption (slower; see docs/architecture.md)."),
+                                         "preemption (slower: one forward per token)."),
     served_model_name: str = typer.Option(None, "--served-model-name",
                                           help="Model name in the API (default: the dir name)."),
     tp: int = typer.Option(None, "--tp", help="Tensor-parallel ranks: one process per GPU "
