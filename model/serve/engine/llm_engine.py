@@ -118,7 +118,7 @@ def load_engine_model(config: EngineConfig) -> BeamForCausalLM:
 def apply_kernels(model: BeamForCausalLM, kernels: str, registry: str | None = None) -> None:
     """Give a model passed to the engine the ops of `EngineConfig.kernels` (for its device's
     arch, from `registry`); its collectives (TP) stay as attached."""
-    from ..registry import resolve_ops
+    from ...registry import resolve_ops
 
     model.set_ops(resolve_ops(kernels, registry, device=model.device, dtype=model.dtype))
     log.info("engine: the passed model runs --kernels %s", kernels)
