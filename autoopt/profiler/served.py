@@ -27,9 +27,9 @@ import torch
 from model import beam
 from model.beam import BeamForCausalLM
 from model.serve.engine import EngineConfig, LLMEngine
-from model.serve.kv_cache import FULL, SWA, KVLayout
-from model.serve.sampler import SamplingParams
-from model.serve.scheduler import Status
+from model.serve.engine.kv_cache import FULL, SWA, KVLayout
+from model.serve.engine.sampler import SamplingParams
+from model.serve.engine.scheduler import Status
 
 PAGE_SIZE = 16
 BACKEND_RANGE = "paged_attention"  # the attention backend's KV write and attention

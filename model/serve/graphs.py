@@ -79,7 +79,7 @@ class DecodeGraphs:
 
     def load(self, chunks: Sequence) -> int:
         """Copy the step's inputs into the static buffers; padded rows use page 0 only."""
-        from .kv_cache import FULL, SWA
+        from .engine.kv_cache import FULL, SWA
 
         n, b = len(chunks), self.bucket(len(chunks))
         cache = self.runner.cache

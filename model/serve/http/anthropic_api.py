@@ -11,22 +11,18 @@ non-streaming message holds exactly the blocks the stream announced. Choices:
 
 from __future__ import annotations
 
+import asyncio
 import json
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from model.serve.chat_template import REASONING_BUDGET
-from model.serve.generation import Finished, TextChunk
+from model.serve.engine.generation import Finished, TextChunk
 from model.serve.harmony import Delta, StreamingParser
-from model.serve.openai_api import sse
-from model.serve.protocol import (
-    APIError,
-    MessagesRequest,
-    anthropic_tools_to_openai,
-    resolve_anthropic_tool_choice,
-)
-from model.serve.serving import (
+from model.serve.http.content import anthropic_messages
+from model.serve.http.errors import APIError
+from model.serve.http.protocol import MessagesRequest, normalize_stop
+from model.serve.http.serving import (
     ServeContext,
     chat_prompt,
     generation_request,
@@ -35,64 +31,10 @@ from model.serve.serving import (
     reasoning_effort,
     start_generation,
 )
+from model.serve.http.sse import sse, stream_error
+from model.serve.http.tools import anthropic_tools_to_openai, resolve_anthropic_tool_choice
 
-log = logging.getLogger(__name__)
 _BLOCK_OF = {"reasoning": "thinking", "content": "text"}
-
-
-def _text_of(content: Any, param: str) -> str:
-    if isinstance(content, str):
-        return content
-    parts = []
-    for i, block in enumerate(content or []):
-        if block.get("type") != "text":
-            raise APIError(400, f"'{param}[{i}]' is a {block.get('type')!r} block; only text "
-                           "blocks are supported there", param=param)
-        parts.append(block.get("text", ""))
-    return "\n".join(parts)
-
-
-def to_chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
-    """Anthropic system + messages as chat-template messages (OpenAI roles)."""
-    out: list[dict[str, Any]] = []
-    if req.system:
-        out.append({"role": "system", "content": _text_of(req.system, "system")})
-    names: dict[str, str] = {}
-    for i, msg in enumerate(req.messages):
-        if isinstance(msg.content, str):
-            out.append({"role": msg.role, "content": msg.content})
-            continue
-        turn: dict[str, Any] = {"role": msg.role, "content": ""}
-        for j, block in enumerate(msg.content):
-            where, kind = f"messages[{i}].content[{j}]", block.get("type")
-            if kind == "text":
-                turn["content"] += block.get("text", "")
-            elif kind == "thinking" and msg.role == "assistant":
-                turn["reasoning_content"] = block.get("thinking", "")
-            elif kind == "redacted_thinking" and msg.role == "assistant":
-                pass  # nothing the model can read back
-            elif kind == "tool_use" and msg.role == "assistant":
-                names[block.get("id", "")] = block.get("name", "")
-                call = {"name": block.get("name"), "arguments": block.get("input") or {}}
-                turn.setdefault("tool_calls", []).append(
-                    {"id": block.get("id"), "type": "function", "function": call})
-            elif kind == "tool_result" and msg.role == "user":
-                if turn["content"]:
-                    out.append(turn)
-                    turn = {"role": "user", "content": ""}
-                tool_id = block.get("tool_use_id", "")
-                result = _text_of(block.get("content", ""), f"{where}.content")
-                if block.get("is_error"):
-                    result = f"Error: {result}"
-                out.append({"role": "tool", "tool_call_id": tool_id,
-                            "name": names.get(tool_id), "content": result})
-            else:
-                raise APIError(400, f"'{where}' is a {kind!r} block, which a {msg.role} message "
-                               "cannot carry here; use text, thinking, tool_use or tool_result",
-                               param=where)
-        if turn["content"] or turn.get("tool_calls") or msg.role == "assistant":
-            out.append(turn)
-    return [{k: v for k, v in m.items() if v is not None} for m in out]
 
 
 def thinking_effort(req: MessagesRequest) -> tuple[str, int | None]:
@@ -187,12 +129,9 @@ def _setup(ctx: ServeContext, req: MessagesRequest) -> tuple[Any, BlockBuilder]:
     tools = anthropic_tools_to_openai(req.tools)
     mode, name = resolve_anthropic_tool_choice(req.tool_choice, tools)
     effort, budget = thinking_effort(req)
-    prompt = chat_prompt(ctx, to_chat_messages(req), tools, mode, name, effort, budget)
+    stops = normalize_stop(req.stop_sequences, "stop_sequences")
+    prompt = chat_prompt(ctx, anthropic_messages(req), tools, mode, name, effort, budget)
     max_tokens = max_tokens_for(ctx, len(prompt.prompt_ids), req.max_tokens, "max_tokens")
-    stops = list(req.stop_sequences or [])
-    if any(not s for s in stops):
-        raise APIError(400, "'stop_sequences' holds an empty string; remove it",
-                       param="stop_sequences")
     greq = generation_request(ctx, req, prompt.prompt_ids, max_tokens, stops,
                               prefill=prompt.prefill, reasoning_budget=prompt.reasoning_budget,
                               after_reasoning=prompt.after_reasoning,
@@ -202,7 +141,8 @@ def _setup(ctx: ServeContext, req: MessagesRequest) -> tuple[Any, BlockBuilder]:
 
 async def messages(ctx: ServeContext, req: MessagesRequest) -> Any:
     """Returns a JSON-able dict, or an async iterator of SSE strings when streaming."""
-    greq, builder = _setup(ctx, req)
+    # Rendering and tokenizing take time in proportion to the prompt: not on the event loop.
+    greq, builder = await asyncio.to_thread(_setup, ctx, req)
     mid = new_id("msg_")
     events = await start_generation(ctx, greq, mid, "messages")
     if req.stream:
@@ -249,7 +189,6 @@ async def _messages_sse(
                            "usage": {"output_tokens": event.completion_tokens}}, "message_delta")
                 yield sse({"type": "message_stop"}, "message_stop")
     except Exception as e:  # the stream has begun: report in-band, as Anthropic does
-        log.exception("messages stream %s failed", mid)
-        yield sse(APIError(500, f"generation failed: {e}").anthropic_body(), "error")
+        yield sse(stream_error(e, mid).anthropic_body(), "error")
     finally:
         await events.aclose()  # type: ignore[attr-defined]

@@ -1,8 +1,9 @@
 """The serving engine: requests in, tokens out, one scheduler step at a time.
 
 `LLMEngine` is synchronous (`add_request`, `step`, `abort`, offline `generate`); `AsyncEngine`
-(model/serve/async_engine.py, re-exported here) runs it on a background thread for the HTTP API.
-A bad request raises `RequestError` before anything is queued.
+(async_engine.py) runs it on a background thread for the HTTP API. A bad request raises
+`RequestError` before anything is queued; a request that fails later ends with finish_reason
+"error" (faults.py).
 """
 
 from __future__ import annotations
@@ -18,11 +19,27 @@ from pathlib import Path
 
 import torch
 
-from ..beam import Batch, BeamForCausalLM, CausalAttention
+from ...beam import Batch, BeamForCausalLM, CausalAttention
+from ..runner import ModelRunner
+from .batch_invariant import TokenwiseRunner
+from .faults import StepIsolation
 from .kv_cache import KVLayout, PagedKVCache
-from .outputs import CompletionResult, EngineStats, RequestOutput, RequestState
-from .runner import ModelRunner
-from .sampler import RequestError, Sampler, SampleRequest, SamplingParams, make_generator
+from .outputs import (
+    FINISH_REASONS,
+    CompletionResult,
+    EngineStats,
+    RequestFailedError,
+    RequestOutput,
+    RequestState,
+)
+from .sampler import (
+    RequestError,
+    Sampler,
+    SampleRequest,
+    SamplingParams,
+    make_generator,
+    sample_isolated,
+)
 from .scheduler import Scheduler, SchedulerConfig, Sequence
 
 log = logging.getLogger(__name__)
@@ -47,10 +64,11 @@ class EngineConfig:
     page_size: int = 16
     cuda_graphs: bool = True  # GPU only
     seed: int = 0
-    tp: int = 1  # tensor-parallel ranks (model/serve/tp_worker.py starts them)
+    tp: int = 1  # tensor-parallel ranks (engine/tp_worker.py starts them)
     ep: int = 1  # expert parallelism: 1 (experts split by TP) or tp (experts split across ranks)
     attention_backend: str = "auto"  # auto | torch | flashinfer (model/serve/flashinfer_attention)
     registry: str | None = None  # the registry DIR kernels and their lock come from (None: default)
+    batch_invariant: bool = False  # one forward per token: batching never changes a token
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -82,13 +100,13 @@ class EngineConfig:
 
 
 def load_engine_model(config: EngineConfig) -> BeamForCausalLM:
-    from .. import weights
+    from ... import weights
 
     if config.model is None:
         raise ValueError("EngineConfig.model is None and no model was passed to the engine")
     if config.tp > 1:
         raise ValueError(f"EngineConfig(tp={config.tp}) needs one process per rank: start the "
-                         "ranks with model.serve.tp_worker (generate_tp, or `autoopt serve/"
+                         "ranks with model.serve.engine.tp_worker (generate_tp, or `autoopt serve/"
                          "generate --tp N`), not LLMEngine(config) in one process")
     kwargs = {"dtype": config.torch_dtype, "device": str(config.resolved_device())}
     if "kernels" in inspect.signature(weights.load_model).parameters:
@@ -100,14 +118,14 @@ def load_engine_model(config: EngineConfig) -> BeamForCausalLM:
 def apply_kernels(model: BeamForCausalLM, kernels: str, registry: str | None = None) -> None:
     """Give a model passed to the engine the ops of `EngineConfig.kernels` (for its device's
     arch, from `registry`); its collectives (TP) stay as attached."""
-    from ..registry import resolve_ops
+    from ...registry import resolve_ops
 
     model.set_ops(resolve_ops(kernels, registry, device=model.device, dtype=model.dtype))
     log.info("engine: the passed model runs --kernels %s", kernels)
 
 
 def load_tokenizer(path: str | None):
-    from .tokenizer import BeamTokenizer
+    from ..tokenizer import BeamTokenizer
 
     if path is None or not (Path(path) / "tokenizer.json").exists():
         return None
@@ -115,6 +133,8 @@ def load_tokenizer(path: str | None):
 
 
 class LLMEngine:
+    isolate_step_failures = True  # a failing step is re-run per request (faults.py)
+
     def __init__(self, config: EngineConfig, model: BeamForCausalLM | None = None,
                  tokenizer=None) -> None:
         self.config = config
@@ -136,7 +156,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, cuda_graphs=config.cuda_graphs,
                                   attention_backend=config.attention_backend)
+        if config.batch_invariant:
+            self.runner = TokenwiseRunner(self.runner)
         self.sampler = Sampler()
+        self._isolation = StepIsolation(enabled=self.isolate_step_failures)
         eos = self.model_config.eos_token_id
         self.stop_token_ids = frozenset(
             self.tokenizer.stop_token_ids if self.tokenizer is not None
@@ -146,7 +169,7 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []
         self._counters = {"prompt": 0, "generation": 0, "added": 0, "steps": 0, "batched": 0}
-        self._finished = {reason: 0 for reason in ("stop", "length", "abort")}
+        self._finished = {reason: 0 for reason in FINISH_REASONS}
         self.startup_report = (
             f"KV cache: {self.cache.capacity_tokens} tokens of context "
             f"({self.cache.nbytes() / 2**20:.1f} MiB, pages of {config.page_size}: "
@@ -211,12 +234,30 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(f"stop token id {bad[0]} is outside [0, {self.vocab_size})")
+        if params.top_k > self.vocab_size:
+            raise RequestError(f"top_k {params.top_k} is larger than the vocabulary "
+                               f"({self.vocab_size} tokens); use 0 or -1 to turn top-k off")
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int],
                     params: SamplingParams) -> None:
+        """Queue a request. RequestError: refused (nothing queued); RequestFailedError: building
+        its state failed (nothing queued); anything else: the queues may be inconsistent."""
         self.check_request(prompt_token_ids, params)
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already running; ids must be unique")
+        try:
+            seq = self._new_sequence(request_id, prompt_token_ids, params)
+        except Exception as exc:
+            log.error("request %s failed while starting", request_id, exc_info=exc)
+            self._finished["error"] += 1
+            raise RequestFailedError(request_id, "starting") from exc
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+        self._counters["added"] += 1
+        self._counters["prompt"] += len(prompt_token_ids)
+
+    def _new_sequence(self, request_id: str, prompt_token_ids: Seq[int],
+                      params: SamplingParams) -> Sequence:
         seq = Sequence(request_id, list(prompt_token_ids))
         gen = None
         if not params.greedy:
@@ -229,10 +270,7 @@ class LLMEngine:
             params, SampleRequest(params, gen), frozenset(stops), decoder, time.monotonic(),
             len(prompt_token_ids) + params.max_tokens,
             self.tokenizer.vocab_size if self.tokenizer is not None else 0)
-        self._requests[request_id] = seq
-        self.scheduler.add(seq)
-        self._counters["added"] += 1
-        self._counters["prompt"] += len(prompt_token_ids)
+        return seq
 
     def abort(self, request_id: str) -> bool:
         """Stop a request; its final output (finish_reason "abort") comes with the next step."""
@@ -251,21 +289,43 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule, run and sample one step. A request whose step, sampling or detokenization
+        fails finishes with finish_reason "error" (faults.py); an error in what all requests
+        share raises (EngineFatalError, or the scheduler's own error) and the engine must stop."""
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if not sched.chunks:
             return outputs
-        logits = self.runner.execute(sched.chunks)
+        logits, failed = self._isolation.execute(self.runner, sched.chunks)
         self.scheduler.advance(sched)
-        seqs = [c.seq for c in sched.chunks if c.sample]
-        tokens, logprobs = self.sampler(logits, [s.state.sample for s in seqs])
         now = time.monotonic()
-        for seq, token, lp in zip(seqs, tokens, logprobs):
-            outputs.append(self._append(seq, token, lp, now))
+        for i, exc in failed.items():
+            outputs.append(self._fail(sched.chunks[i].seq, "running its model step", exc, now))
+        seqs = [c.seq for i, c in enumerate(sched.chunks) if c.sample and i not in failed]
+        tokens, logprobs, errors = sample_isolated(self.sampler, logits,
+                                                   [s.state.sample for s in seqs])
+        for seq, token, lp, exc in zip(seqs, tokens, logprobs, errors):
+            if exc is not None:
+                outputs.append(self._fail(seq, "sampling its next token", exc, now))
+                continue
+            try:
+                outputs.append(self._append(seq, token, lp, now))
+            except Exception as exc:  # noqa: BLE001 - detokenizing or stop checks: this request
+                outputs.append(self._fail(seq, "detokenizing its output", exc, now))
         self._counters["steps"] += 1
         self._counters["batched"] += sched.num_tokens
-        self._counters["generation"] += len(seqs)
+        self._counters["generation"] += len(seqs) - sum(e is not None for e in errors)
         return outputs
+
+    def _fail(self, seq: Sequence, stage: str, exc: BaseException, now: float) -> RequestOutput:
+        log.error("request %s failed while %s; it is ended, the engine goes on", seq.request_id,
+                  stage, exc_info=exc)
+        if self._requests.pop(seq.request_id, None) is not None:
+            self.scheduler.finish(seq)
+            self._finished["error"] += 1
+        st = seq.state
+        st.finish_reason, st.error = "error", stage
+        return self._output(seq, [], None, "", now)
 
     def _append(self, seq: Sequence, token: int, lp, now: float) -> RequestOutput:
         st = seq.state
@@ -289,7 +349,8 @@ class LLMEngine:
             finish_reason=st.finish_reason, stop_reason=st.stop_reason,
             logprobs=[lp] if lp is not None else ([] if st.params.logprobs is not None else None),
             prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids),
-            arrival_time=st.arrival_time, first_token_time=st.first_token_time, time=now)
+            arrival_time=st.arrival_time, first_token_time=st.first_token_time, time=now,
+            error=st.error)
 
     # ---- offline ----------------------------------------------------------------------------
     def generate(self, prompts: Seq[Seq[int]],
@@ -326,8 +387,3 @@ class LLMEngine:
             requests_added_total=c["added"], requests_finished_total=dict(self._finished),
             steps_total=c["steps"], batched_tokens_total=c["batched"])
 
-
-from .async_engine import AsyncEngine, EngineDeadError  # noqa: E402  (re-exported for the API)
-
-__all__ = ["AsyncEngine", "CompletionResult", "EngineConfig", "EngineDeadError", "EngineStats",
-           "LLMEngine", "RequestError", "RequestOutput", "SamplingParams"]

@@ -28,13 +28,9 @@ collectives is not verified on the GPU yet.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import sys
-import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -42,10 +38,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import BeamConfig
-from ..parallel import TPError, TPGroup, _under_torchrun, attach, launch
-from .engine import EngineConfig, LLMEngine, load_tokenizer
+from ...config import BeamConfig
+from ...parallel import TPError, TPGroup, _under_torchrun, attach, launch
 from .kv_cache import PagedKVCache
+from .llm_engine import EngineConfig, LLMEngine, load_tokenizer
 from .outputs import CompletionResult
 from .sampler import SamplingParams
 
@@ -127,7 +123,10 @@ def follow_steps(engine: LLMEngine, control: TPGroup) -> None:
 # ---- one rank -------------------------------------------------------------------------------
 class RankEngine(LLMEngine):
     """One rank's engine: its shard and KV cache; the KV budget is the smallest rank's, so every
-    rank holds the same pages."""
+    rank holds the same pages. A failing step is fatal here: re-running part of it on rank 0
+    alone would leave the other ranks waiting in its collectives (engine/faults.py)."""
+
+    isolate_step_failures = False
 
     def __init__(self, config: EngineConfig, model, control: TPGroup) -> None:
         self.control = control
@@ -150,7 +149,7 @@ def control_group(group: TPGroup) -> TPGroup:
 def start_rank(config: EngineConfig, group: TPGroup) -> tuple[RankEngine, TPGroup]:
     """Load this rank's shard, attach it to the group and build its engine; on rank 0 the
     runner also broadcasts every step's plan."""
-    from ..weights import load_model
+    from ...weights import load_model
 
     print(f"tp rank {group.rank}/{group.size}: pid {os.getpid()} on {group.device}",
           file=sys.stderr, flush=True)
@@ -255,90 +254,3 @@ def run_generate_tp(config: EngineConfig, req) -> tuple[CompletionResult | None,
     if _under_torchrun() and int(os.environ["RANK"]) != 0:
         return None, None
     return out.completions[0], GenerateSummary(out.startup_report, tokenizer)
-
-
-# ---- serving --------------------------------------------------------------------------------
-def run_tp_server(opts, say=print) -> None:
-    """`autoopt serve --tp N` (opts: api.ServeOptions): rank 0 serves, the others follow; this
-    process watches them and ends the group when one dies (TPError) or on SIGTERM / Ctrl-C."""
-    from .api import engine_config, model_path
-
-    path = model_path(opts, say)  # written here once, not by N ranks at the same time
-    opts = replace(opts, model=path)
-    config = engine_config(opts, path)
-    check_layout(config)
-    backend = backend_for(config)
-    say(f"starting {config.tp} tensor-parallel ranks ({backend}); rank 0 serves the API")
-    if _under_torchrun():
-        launch(_serve_rank, config.tp, backend, args=(opts,))
-        return
-    try:
-        with _terminate_raises():
-            launch(_serve_rank, config.tp, backend, args=(opts,))
-    except KeyboardInterrupt:
-        say("stopped: the tensor-parallel ranks were terminated")
-
-
-@contextlib.contextmanager
-def _terminate_raises() -> Iterator[None]:
-    # SIGTERM interrupts the watching loop like Ctrl-C, so launch's cleanup stops the ranks.
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _serve_rank(group: TPGroup, opts) -> None:
-    from .api import engine_config
-
-    # Ctrl-C reaches every process of the terminal's group: the launcher and uvicorn (rank 0)
-    # stop the group, so the others must not die half-way through a collective.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    engine, control = start_rank(engine_config(opts, opts.model), group)
-    if group.rank == 0:
-        _serve(engine, opts)
-    else:
-        follow_steps(engine, control)
-
-
-def _serve(engine: RankEngine, opts) -> None:
-    import uvicorn
-
-    from .api import build_server, serving_banner
-    from .async_engine import AsyncEngine
-
-    served = AsyncEngine(engine)
-    app, _ = build_server(opts, _print, engine=served)
-    server = uvicorn.Server(uvicorn.Config(app, host=opts.host, port=opts.port,
-                                           log_level="info"))
-    threading.Thread(target=_stop_when_engine_dies, args=(served, server), daemon=True,
-                     name="tp-engine-watch").start()
-    _print(serving_banner(opts, app, served))
-    server.run()
-    if served.error is not None:
-        # The workers may be stuck mid-step: fail, and the launcher stops them.
-        raise RuntimeError(f"rank 0's engine stopped on an error, so the server shut down: "
-                           f"{served.error!r}")
-    engine.runner.stop_workers()
-
-
-def _stop_when_engine_dies(served, server) -> None:
-    # A dead engine thread leaves the workers mid-step: take the server (and the group) down
-    # instead of answering 503 forever.
-    while not server.should_exit:
-        if served.error is not None:
-            server.should_exit = True
-            return
-        time.sleep(0.5)
-
-
-def _print(line: str) -> None:
-    print(line, flush=True)

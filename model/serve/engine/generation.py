@@ -7,7 +7,7 @@ generated text with its special tokens, for the Harmony parser) and one final `F
   held back, and the engine request is aborted at the match.
 - The text of a stop token (`<|return|>`, `<|call|>`) that ends generation is not emitted; the
   parser closes the message at the end of the text just as it would at the token.
-- Reasoning budget (FORMAT.md, REASONING_BUDGET): reasoning tokens are counted as they arrive;
+- Reasoning budget (docs/format.md, REASONING_BUDGET): reasoning tokens are counted as they arrive;
   when a response has spent its budget the engine request is aborted and a new one continues from
   prompt + generated tokens + `<|end|><|start|>assistant`, so the model must go on to its answer
   or a tool call (the engine has no prefix cache, so that request prefills the context again).
@@ -25,9 +25,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from model.serve.engine.sampler import SamplingParams
 from model.serve.harmony import CLOSERS, MESSAGE
-from model.serve.metrics import Metrics
-from model.serve.sampler import SamplingParams
 from model.serve.tokenizer import BeamTokenizer, IncrementalDecoder
 
 FORCE_CLOSE = "<|end|>"
@@ -36,7 +35,9 @@ MAX_FORCED_PHASES = 16  # a model that keeps reopening its reasoning is left alo
 
 
 class EngineProtocol(Protocol):
-    """What the HTTP layer needs from an engine (model.serve.engine.AsyncEngine has this shape)."""
+    """What the HTTP layer needs from an engine (model.serve.engine.AsyncEngine has this shape).
+
+    Optional: `start()`, `shutdown()`, `is_running`, `vocab_size` (the model's, for top_k)."""
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: Any
@@ -45,6 +46,14 @@ class EngineProtocol(Protocol):
     def abort(self, request_id: str) -> Any: ...
 
     def stats(self) -> Any: ...
+
+
+class TokenObserver(Protocol):
+    """Told when tokens arrive (the HTTP layer's metrics have this shape)."""
+
+    def first_token(self, arrival: float, now: float) -> None: ...
+
+    def tokens(self, n: int, gap: float | None, now: float) -> None: ...
 
 
 def make_sampling_params(**kwargs: Any) -> SamplingParams:
@@ -127,7 +136,7 @@ class StopMatcher:
 
 
 class ReasoningTracker:
-    """Counts reasoning tokens and sees where reasoning closes, following FORMAT.md's headers."""
+    """Counts reasoning tokens and sees where reasoning closes (headers of docs/format.md)."""
 
     def __init__(self, budget: int | None) -> None:
         self.budget = budget
@@ -224,7 +233,7 @@ async def run_generation(
     tokenizer: BeamTokenizer,
     greq: GenerationRequest,
     request_id: str,
-    metrics: Metrics | None = None,
+    metrics: TokenObserver | None = None,
     arrival: float | None = None,
 ) -> AsyncIterator[TextChunk | Finished]:
     """Drive `greq` through the engine; the first event comes after the engine's first output.
@@ -309,7 +318,7 @@ def _consume(
     run: _Run,
     out: Any,
     events: list[TextChunk | Finished],
-    metrics: Metrics | None,
+    metrics: TokenObserver | None,
     arrival: float,
 ) -> tuple[Finished | None, Literal["closed", "budget"] | None]:
     """Process one engine output into `events`; returns (Finished or None, forced action)."""

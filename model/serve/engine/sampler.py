@@ -6,16 +6,24 @@ request that samples owns a `torch.Generator`, seeded from its `seed` (or from t
 when it has none), so its tokens do not depend on which other requests share the batch.
 Logprobs are those of the model's distribution (log-softmax of the raw FP32 logits, before
 temperature and filters), as vLLM reports them.
+
+Temperatures near zero are handled as vLLM handles them: below GREEDY_BELOW the request is greedy,
+and up to MIN_TEMPERATURE it is raised to MIN_TEMPERATURE, so logits / temperature can never
+overflow FP32 into inf - inf = NaN probabilities.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below this is greedy
+MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: smaller positive temperatures are raised to this
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # torch.Generator.manual_seed's range
 
 
 class RequestError(ValueError):
@@ -40,21 +48,42 @@ class SamplingParams:
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        checks = [
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= -1, f"top_k must be -1, 0 (off) or a positive count, got {self.top_k}"),
-            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (all(isinstance(s, str) and s for s in stop), "stop strings must be non-empty"),
-            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-             f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}"),
-        ]
-        for ok, message in checks:
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for ok, message in self._checks():
             if not ok:
                 raise RequestError(message)
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
+        elif self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
+
+    def _checks(self) -> list[tuple[bool, str]]:
+        def integer(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def number(v) -> bool:
+            return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+        return [
+            (integer(self.max_tokens) and self.max_tokens >= 1,
+             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
+            (number(self.temperature) and self.temperature >= 0,
+             f"temperature must be a finite number >= 0, got {self.temperature!r}"),
+            (number(self.top_p) and 0 < self.top_p <= 1,
+             f"top_p must be in (0, 1], got {self.top_p!r}"),
+            (integer(self.top_k) and self.top_k >= -1,
+             f"top_k must be -1, 0 (off) or a positive count, got {self.top_k!r}"),
+            (number(self.min_p) and 0 <= self.min_p <= 1,
+             f"min_p must be in [0, 1], got {self.min_p!r}"),
+            (self.seed is None or (integer(self.seed) and INT64_MIN <= self.seed <= INT64_MAX),
+             f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
+            (all(integer(t) for t in self.stop_token_ids),
+             f"stop_token_ids must be integers, got {list(self.stop_token_ids)!r}"),
+            (self.logprobs is None or (integer(self.logprobs)
+                                       and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs!r}"),
+        ]
 
     @property
     def greedy(self) -> bool:
@@ -154,6 +183,28 @@ class Sampler:
             k = rows[i].params.logprobs
             out[i] = TokenLogprob(tokens[i], chosen[j], tuple(zip(top_i[j][:k], top_v[j][:k])))
         return out
+
+
+def sample_isolated(sampler: Callable, logits: torch.Tensor, rows: Sequence[SampleRequest]
+                    ) -> tuple[list[int | None], list[TokenLogprob | None],
+                               list[BaseException | None]]:
+    """`sampler(logits, rows)`, with a failure pinned on the rows that fail alone: their token
+    is None and their error is set; every other row is sampled as usual."""
+    n = len(rows)
+    try:
+        tokens, logprobs = sampler(logits, rows)
+        return list(tokens), list(logprobs), [None] * n
+    except Exception:  # noqa: BLE001 - retried row by row to find whose it is
+        pass
+    tokens_out: list[int | None] = [None] * n
+    lps: list[TokenLogprob | None] = [None] * n
+    errors: list[BaseException | None] = [None] * n
+    for i in range(n):
+        try:
+            (tokens_out[i],), (lps[i],) = sampler(logits[i:i + 1], [rows[i]])
+        except Exception as exc:  # noqa: BLE001 - this row's request fails, not the step
+            errors[i] = exc
+    return tokens_out, lps, errors
 
 
 # ---- stop checks ----------------------------------------------------------------------------

@@ -7,22 +7,16 @@ concatenation of the streamed deltas.
 
 from __future__ import annotations
 
-import json
-import logging
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from model.serve.generation import Finished, TextChunk
+from model.serve.engine.generation import Finished, TextChunk
 from model.serve.harmony import Delta, StreamingParser
-from model.serve.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    normalize_stop,
-    resolve_tool_choice,
-    validate_openai_tools,
-)
-from model.serve.serving import (
+from model.serve.http.content import openai_messages
+from model.serve.http.errors import APIError
+from model.serve.http.protocol import ChatCompletionRequest, CompletionRequest, normalize_stop
+from model.serve.http.serving import (
     ServeContext,
     chat_prompt,
     check_token_ids,
@@ -32,13 +26,8 @@ from model.serve.serving import (
     reasoning_effort,
     start_generation,
 )
-
-log = logging.getLogger(__name__)
-
-
-def sse(data: dict[str, Any] | str, event: str | None = None) -> str:
-    body = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    return (f"event: {event}\n" if event else "") + f"data: {body}\n\n"
+from model.serve.http.sse import sse, stream_error
+from model.serve.http.tools import resolve_tool_choice, validate_openai_tools
 
 
 def _usage(fin: Finished, reasoning: bool) -> dict[str, Any]:
@@ -155,15 +144,7 @@ def _chat_setup(ctx: ServeContext, req: ChatCompletionRequest) -> tuple[Any, Cha
     tools = validate_openai_tools(req.tools)
     mode, name = resolve_tool_choice(req.tool_choice, tools)
     effort = reasoning_effort(req.reasoning_effort)
-    messages = [m.model_dump(exclude_none=True) for m in req.messages]
-    for i, m in enumerate(messages):
-        parts = m.get("content") if isinstance(m.get("content"), list) else []
-        for j, part in enumerate(parts):
-            if part.get("type") != "text":
-                raise APIError(400, f"'messages[{i}].content[{j}]' is a {part.get('type')!r} "
-                               "part; this model takes text parts only",
-                               param=f"messages[{i}].content[{j}]")
-    prompt = chat_prompt(ctx, messages, tools, mode, name, effort)
+    prompt = chat_prompt(ctx, openai_messages(req.messages), tools, mode, name, effort)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -179,7 +160,8 @@ def _chat_setup(ctx: ServeContext, req: ChatCompletionRequest) -> tuple[Any, Cha
 
 async def chat_completions(ctx: ServeContext, req: ChatCompletionRequest) -> Any:
     """Returns a JSON-able dict, or an async iterator of SSE strings when streaming."""
-    greq, stream = _chat_setup(ctx, req)
+    # Rendering and tokenizing take time in proportion to the prompt: not on the event loop.
+    greq, stream = await asyncio.to_thread(_chat_setup, ctx, req)
     rid = new_id("chatcmpl-")
     events = await start_generation(ctx, greq, rid, "chat")
     if req.stream:
@@ -233,8 +215,7 @@ async def _chat_sse(
                                "created": ctx.created, "model": ctx.model_name, "choices": [],
                                "usage": _usage(event, reasoning=True)})
     except Exception as e:  # the stream has begun: report in-band, as OpenAI does
-        log.exception("chat stream %s failed", rid)
-        yield sse(APIError(500, f"generation failed: {e}").openai_body())
+        yield sse(stream_error(e, rid).openai_body())
     finally:
         await events.aclose()  # type: ignore[attr-defined]
     yield sse("[DONE]")
@@ -248,13 +229,13 @@ def _completion_prompt(ctx: ServeContext, req: CompletionRequest) -> list[int]:
                            param="prompt")
         prompt = prompt[0]  # type: ignore[assignment]
     if isinstance(prompt, str):
-        return ctx.tokenizer.encode(prompt)
+        return ctx.encode(prompt, "prompt")
     ids = list(prompt)  # type: ignore[arg-type]
     check_token_ids(ctx, ids, "prompt")
     return ids
 
 
-async def completions(ctx: ServeContext, req: CompletionRequest) -> Any:
+def _completion_setup(ctx: ServeContext, req: CompletionRequest) -> tuple[Any, str]:
     ctx.check_model(req.model)
     if req.n != 1:
         raise APIError(400, f"'n' must be 1 (this server returns one choice), got {req.n}",
@@ -263,9 +244,14 @@ async def completions(ctx: ServeContext, req: CompletionRequest) -> Any:
     max_tokens = max_tokens_for(ctx, len(ids), req.max_tokens, "max_tokens")
     greq = generation_request(ctx, req, ids, max_tokens, normalize_stop(req.stop),
                               skip_special_tokens=req.skip_special_tokens, logprobs=req.logprobs)
-    rid = new_id("cmpl-")
     echo = ctx.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens) \
         if req.echo else ""
+    return greq, echo
+
+
+async def completions(ctx: ServeContext, req: CompletionRequest) -> Any:
+    greq, echo = await asyncio.to_thread(_completion_setup, ctx, req)
+    rid = new_id("cmpl-")
     events = await start_generation(ctx, greq, rid, "completions")
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -315,8 +301,7 @@ async def _completion_sse(
                            "model": ctx.model_name, "choices": [],
                            "usage": _usage(event, reasoning=False)})
     except Exception as e:
-        log.exception("completion stream %s failed", rid)
-        yield sse(APIError(500, f"generation failed: {e}").openai_body())
+        yield sse(stream_error(e, rid).openai_body())
     finally:
         await events.aclose()  # type: ignore[attr-defined]
     yield sse("[DONE]")

@@ -2,29 +2,12 @@
 
 from __future__ import annotations
 
-import fcntl
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from .engine import EngineConfig, LLMEngine
+from .llm_engine import EngineConfig, LLMEngine
 from .outputs import CompletionResult
 from .sampler import RequestError, SamplingParams
-
-
-def ensure_demo_checkpoint() -> Path:
-    """The built-in tiny demo checkpoint, written on first use (AUTOOPT_DEMO_CHECKPOINT)."""
-    from autoopt.env import demo_checkpoint_dir
-
-    from ..demo import write_demo_checkpoint
-
-    path = demo_checkpoint_dir()
-    path.mkdir(parents=True, exist_ok=True)
-    # Ranks started by torchrun all get here at once: one writes, the others wait for it.
-    with open(path / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (path / "config.json").exists() or not (path / "model.safetensors").exists():
-            write_demo_checkpoint(path, "tiny")
-    return path
 
 
 def parse_prompt_ids(text: str) -> list[int]:
@@ -58,6 +41,7 @@ class GenerateRequest:
     ep: int | None = None
     attention_backend: str | None = None
     registry: str | None = None
+    demo_checkpoint: Path | None = None  # where the demo is written when `model` is None
 
 
 def run_generate(req: GenerateRequest) -> tuple[CompletionResult | None, LLMEngine | None]:
@@ -65,7 +49,13 @@ def run_generate(req: GenerateRequest) -> tuple[CompletionResult | None, LLMEngi
     tokenizer); (None, None) on a torchrun rank other than 0, which prints nothing."""
     if (req.prompt is None) == (req.prompt_ids is None):
         raise RequestError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
-    model = req.model if req.model is not None else ensure_demo_checkpoint()
+    model = req.model
+    if model is None:
+        if req.demo_checkpoint is None:
+            raise RequestError("no --model given and no demo checkpoint directory; pass --model")
+        from ...demo import ensure_demo_checkpoint
+
+        model = ensure_demo_checkpoint(req.demo_checkpoint)
     names = {f.name for f in fields(EngineConfig)}
     given = {k: getattr(req, k) for k in ("device", "dtype", "kernels", "max_model_len",
                                           "cuda_graphs", "tp", "ep", "attention_backend",

@@ -5,6 +5,11 @@ commands to a thread-safe queue that the thread drains before every step, so a r
 most one step to join the batch and the event loop never blocks on a running step. Outputs go
 back to each request's asyncio.Queue through `call_soon_threadsafe`. Validation runs in the
 caller, so a bad request raises `RequestError` before it is queued.
+
+A request that fails inside the engine (engine/faults.py) ends its own stream with
+`RequestFailedError`; any other error of the engine thread is fatal: it is logged once as such,
+every waiting request gets `EngineDeadError`, and `is_running` turns False (the server's
+`/health` says so and the server exits so that a supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from .outputs import EngineStats, RequestOutput
+from .outputs import EngineStats, RequestFailedError, RequestOutput
 from .sampler import RequestError, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -45,7 +50,7 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, config) -> AsyncEngine:
-        from .engine import LLMEngine
+        from .llm_engine import LLMEngine
 
         return cls(LLMEngine(config))
 
@@ -61,6 +66,10 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
 
     def stats(self) -> EngineStats:
         return self.engine.stats()  # counters and lengths: a consistent-enough snapshot
@@ -147,7 +156,9 @@ class AsyncEngine:
                     continue
                 self._deliver(self.engine.step())
         except BaseException as exc:  # noqa: BLE001 - every waiting request must hear about it
-            log.exception("engine thread stopped")
+            log.critical("FATAL: the engine stopped on an error in state that every request "
+                         "shares (%s: %s); requests in flight fail with 503 and the server must "
+                         "be restarted", type(exc).__name__, exc, exc_info=exc)
             self.error = exc
             self._fail_all(EngineDeadError(f"the engine stopped on an error: {exc!r}"))
 
@@ -162,12 +173,15 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.add_request(rid, prompt, params)
-            except RequestError as exc:  # e.g. an id still finishing in the engine
+            except (RequestError, RequestFailedError) as exc:  # nothing was queued
                 self._send(rid, exc)
 
     def _deliver(self, outputs: Sequence[RequestOutput]) -> None:
         for out in outputs:
-            self._send(out.request_id, out)
+            if out.finish_reason == "error":
+                self._send(out.request_id, RequestFailedError(out.request_id, out.error or "?"))
+            else:
+                self._send(out.request_id, out)
 
     def _send(self, request_id: str, item) -> None:
         with self._lock:

@@ -7,7 +7,17 @@ from dataclasses import dataclass, field
 
 from .sampler import SampleRequest, SamplingParams, TokenLogprob, find_stop, partial_stop_suffix
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # error: failed alone (faults.py)
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine (its step, sampling or detokenization); the engine
+    goes on. The message names the request and the stage, never the exception's text."""
+
+    def __init__(self, request_id: str, stage: str) -> None:
+        super().__init__(f"request {request_id} failed while {stage}")
+        self.request_id = request_id
+        self.stage = stage
 
 
 @dataclass(frozen=True)
@@ -20,7 +30,7 @@ class RequestOutput:
     text_delta: str  # new visible text ("" without a tokenizer)
     text: str  # visible text so far: stop strings / stop tokens cut unless asked to include
     finished: bool
-    finish_reason: str | None  # None, "stop", "length", "abort"
+    finish_reason: str | None  # None, "stop", "length", "abort", "error"
     stop_reason: int | str | None  # the stop token id or stop string that matched
     logprobs: list[TokenLogprob] | None  # one per new token, when asked for
     prompt_tokens: int
@@ -28,6 +38,7 @@ class RequestOutput:
     arrival_time: float  # time.monotonic() at add_request
     first_token_time: float | None
     time: float  # time.monotonic() when this output was made (ITL = difference of these)
+    error: str | None = None  # with finish_reason "error": what failed ("sampling its ...")
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,7 @@ class RequestState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None
 
     def add_token(self, token: int, num_generated: int, num_tokens: int) -> str:
         """Account for one sampled token; returns the text delta that becomes visible."""
