@@ -129,9 +129,13 @@ def shuffled(j: Judge, case: Case, order: str) -> None:
     if outs is None:
         return
     j.drop([], [j.last_out_id])
-    if n := mismatch_count(outs, case.first):
+    n = mismatch_count(outs, case.first)
+    if n and j.last_reply.get("permuted_launches"):
         j.findings.add("races", f"races: the result depends on the order of the kernel's "
                                 f"programs ({n} elements differ) {where}: a cross-program race")
+    elif n:
+        j.findings.add("determinism", f"nondeterministic: two runs differ in {n} elements "
+                                      f"{where}")
 
 
 def recheck(j: Judge, case: Case) -> None:

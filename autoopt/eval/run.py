@@ -58,9 +58,14 @@ def start_candidate(w: Worker, text: bytes, device: str, config: dict | None,
 
 
 def palette_bits(palettes: dict[torch.dtype, torch.Tensor]) -> dict[torch.dtype, torch.Tensor]:
-    """The bit patterns of each floating palette, to recognise poison in outputs."""
-    return {dt: p.view({2: torch.int16, 4: torch.int32}[dt.itemsize])
-            for dt, p in palettes.items() if dt.is_floating_point}
+    """Sorted keys of every pair of cyclic neighbours of each floating palette (trials.py)."""
+    from .trials import pair_keys
+
+    out = {}
+    for dt, p in palettes.items():
+        if dt.is_floating_point:
+            out[dt] = torch.unique(pair_keys(torch.cat([p, p[:1]])))
+    return out
 
 
 def judge_candidate(report: Any, c: Any, text: bytes, plan: ShapePlan, budget: Budget,

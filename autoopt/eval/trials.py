@@ -41,6 +41,14 @@ def arg_names(signature: str) -> list[str]:
     return [re.split(r"[\[:\s=]", p.strip(), maxsplit=1)[0] for p in parts if p.strip()]
 
 
+def pair_keys(t: torch.Tensor) -> torch.Tensor:
+    """int64 keys of neighbouring elements (bits of t[k] and t[k+1]) of a flat float tensor."""
+    width = {2: torch.int16, 4: torch.int32}[t.element_size()]
+    mask = (1 << (8 * t.element_size())) - 1
+    b = t.contiguous().view(width).flatten().to(torch.int64) & mask
+    return (b[:-1] << 32) | b[1:]
+
+
 def as_tuple(outs: Any) -> tuple:
     return tuple(outs) if isinstance(outs, tuple | list) else (outs,)
 
@@ -182,6 +190,7 @@ class Judge:
             "region": {"off": 0, "cap": self.w.arena.size}, "order": order,
             "order_seed": self._ids}))
         self.calls += 1
+        self.last_reply = reply
         if "raised" in reply:
             self.findings.add("raised", f"candidate raised {reply['raised']} {where}")
             return None
@@ -253,16 +262,17 @@ class Judge:
         for i, (o, r) in enumerate(zip(outs, ref, strict=True)):
             if not o.dtype.is_floating_point or o.numel() == 0:
                 continue
-            differ = ~bits_equal(o, r)
-            n_diff = int(differ.sum())
-            pats = self.palette_set.get(o.dtype)
-            if n_diff and pats is not None:
-                width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[o.element_size()]
-                bits = o.contiguous().view(width)[differ]
-                poisoned = int(torch.isin(bits, pats.to(bits.device)).sum())
-                if poisoned and poisoned * 2 >= n_diff:
+            differ = (~bits_equal(o, r)).flatten()
+            pairs = differ[:-1] & differ[1:]
+            n_pairs = int(pairs.sum())
+            keys = self.palette_set.get(o.dtype)
+            if n_pairs and keys is not None and o.element_size() in (2, 4):
+                hit = torch.isin(pair_keys(o)[pairs], keys.to(o.device))
+                poisoned = int(hit.sum())
+                if poisoned and poisoned * 2 >= n_pairs:
                     self.findings.add("poison", f"output {i} not written (poison survived): "
-                                                f"{poisoned} of {o.numel()} elements {where}")
+                                                f"about {poisoned + 1} of {o.numel()} elements "
+                                                f"{where}")
                     continue
             if o.numel() > 1 and bool((o == 0).all()) and not bool((r == 0).all()):
                 self.findings.add("zeros", f"output {i} is all zeros {where}")

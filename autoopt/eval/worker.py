@@ -47,7 +47,7 @@ class _State:
         self.outs: dict[int, tuple] = {}
         self.palette: dict[str, torch.Tensor] = {}
         self.gen = torch.Generator(device="cpu")
-        self.order = {"mode": "natural", "rng": random.Random(0)}
+        self.order = {"mode": "natural", "rng": random.Random(0), "permuted": 0}
         self.blocked = lambda: []
         self.burst: dict[str, Any] | None = None
 
@@ -154,6 +154,7 @@ def _permutable_grid(order: dict) -> None:
         elif order["mode"] == "random" and n > 1:
             perm = list(range(n))
             order["rng"].shuffle(perm)
+        order["permuted"] += perm is not None
         grid["dims"], grid["perm"] = (nx, ny, nz), perm
         set_dim(nx, ny, nz)
 
@@ -195,22 +196,28 @@ def _write(state: _State, msg: dict, fds: list) -> dict:
     return {}
 
 
+def palette_tile(state: _State, dtype: str, n: int) -> torch.Tensor | None:
+    """n palette values from a random offset, cyclically (what unwritten memory will hold)."""
+    pal = state.palette.get(dtype)
+    if pal is None or n == 0:
+        return None
+    start = int(torch.randint(0, pal.numel(), (1,), generator=state.gen))
+    return pal[(torch.arange(n) + start) % pal.numel()]
+
+
 def _poison(state: _State, expect: list[dict], copies: int = 3) -> None:
     """Fill free memory of every expected output size with palette values (data-like)."""
     if state.device.startswith("cuda"):
         torch.cuda.synchronize()
     blocks = []
     for e in expect:
-        pal = state.palette.get(e["dtype"])
         n = 1
         for d in e["shape"]:
             n *= d
-        if pal is None or n == 0:
-            continue
-        idx = torch.randint(0, pal.numel(), (n,), generator=state.gen)
-        src = pal[idx].to(state.device)
         for _ in range(copies):
-            blocks.append(src.clone())
+            src = palette_tile(state, e["dtype"], n)
+            if src is not None:
+                blocks.append(src.to(state.device))
     del blocks
     if state.device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -279,6 +286,7 @@ def _call(state: _State, msg: dict, fds: list) -> dict:
     _poison(state, msg["expect"])
     state.order["mode"] = msg.get("order", "natural")
     state.order["rng"].seed(int(msg.get("order_seed", 0)))
+    state.order["permuted"] = 0
     t0 = _perf()
     try:
         with torch.no_grad():
@@ -291,7 +299,7 @@ def _call(state: _State, msg: dict, fds: list) -> dict:
     state.outs[call_id] = outs
     return {"outputs": _describe(outs, args, state, call_id), "count": len(outs),
             "data": _write_outputs(state, outs, msg["expect"], *_region(msg))[0],
-            "elapsed_s": elapsed}
+            "elapsed_s": elapsed, "permuted_launches": state.order["permuted"]}
 
 
 def _export(state: _State, msg: dict, fds: list) -> dict:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .worker import _as_tuple, _region, _State, _text, _write_outputs
+from .worker import _as_tuple, _region, _State, _text, _write_outputs, palette_tile
 
 _perf = time.perf_counter
 _Event = torch.cuda.Event
@@ -85,10 +85,11 @@ def poison(state: _State, msg: dict, fds: list) -> dict:
     n = 0
     for outs in b["outs"]:
         for o in outs:
-            pal = state.palette.get(_dtype_name(o))
-            if _type(o) is torch.Tensor and pal is not None and o.numel():
-                idx = torch.randint(0, pal.numel(), (o.numel(),), generator=state.gen)
-                o.view(-1).copy_(pal[idx].to(o.device))
+            if _type(o) is not torch.Tensor:
+                continue
+            src = palette_tile(state, _dtype_name(o), o.numel())
+            if src is not None:
+                o.view(-1).copy_(src.to(o.device))
                 n += 1
     _synchronize()
     return {"poisoned": n}

@@ -10,8 +10,10 @@ Test shapes (what the verifier runs; see `TestShapes`). An op module declares:
                   through the interpreter: narrow, but keeping every structural feature (GQA,
                   head_dim 128, the router's 8 groups of 32 experts).
     TOKEN_RANGE   optional: {"cpu": (lo, hi), "gpu": (lo, hi)}, the token counts the verifier may
-                  draw (default `DEFAULT_TOKEN_RANGE`; keep the CPU bound small when the reference
-                  or an interpreted kernel is slow per token).
+                  draw (default `DEFAULT_TOKEN_RANGE`; lower the CPU bound when the reference or
+                  an interpreted kernel is slow per token).
+    CPU_FREE_DIMS optional: {dim: (lo, hi)}: CPU widths the verifier may also draw, so a kernel
+                  cannot be honest at CPU_DIMS alone (GPU widths always come from the target).
     EDGE_SCALES   optional: {case name: {argument index: power-of-two factor}}: floating inputs
                   scaled to extreme magnitudes where the reference is still finite and defined
                   (a dropped eps shows at tiny inputs, an overflowing square at huge ones).
@@ -34,7 +36,7 @@ import torch
 
 Shape = Mapping[str, int]
 KINDS = ("cpu", "gpu")
-DEFAULT_TOKEN_RANGE: Mapping[str, tuple[int, int]] = {"cpu": (1, 160), "gpu": (1, 8192)}
+DEFAULT_TOKEN_RANGE: Mapping[str, tuple[int, int]] = {"cpu": (1, 512), "gpu": (1, 8192)}
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,7 @@ class TestShapes:
     token_range: Mapping[str, tuple[int, int]]
     edge_scales: Mapping[str, Mapping[int, float]]
     shapes: Callable[..., list[dict[str, int]]]
+    cpu_free_dims: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for kind in KINDS:
@@ -115,6 +118,14 @@ class TestShapes:
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
         return [dict(s) for s in self.shapes(cfg, shard, tokens, kind)]
+
+    def vary(self, shape: Shape, draw: Callable[[int, int], int]) -> dict[str, int]:
+        """`shape` with each CPU_FREE_DIMS width redrawn by `draw(lo, hi)` (CPU shapes only)."""
+        out = dict(shape)
+        for dim, (lo, hi) in self.cpu_free_dims.items():
+            if dim in out:
+                out[dim] = draw(lo, hi)
+        return out
 
     def edge_cases(self, shape: Shape) -> list[EdgeCase]:
         """Zero rows at `shape`, and every declared magnitude case at `shape`."""
@@ -175,6 +186,7 @@ class OpContract:
                 token_range={**DEFAULT_TOKEN_RANGE, **getattr(module, "TOKEN_RANGE", {})},
                 edge_scales=dict(getattr(module, "EDGE_SCALES", {})),
                 shapes=getattr(module, "test_shapes", None) or default_test_shapes(module),
+                cpu_free_dims=dict(getattr(module, "CPU_FREE_DIMS", {})),
             ),
         )
 
