@@ -34,8 +34,10 @@ def build_steps(plan: ShapePlan, budget: Budget, secret: Secret) -> tuple[list, 
     rng.shuffle(specs)
     steps: list[tuple] = [("first", k) for k in range(len(specs))]
     plain = [k for k, (_, _, e) in enumerate(specs) if e is None]
+    # Follow-ups go to cheap cases with several rows (a race between rows needs two).
     small = sorted(plain, key=lambda k: specs[k][0].get("T", 0))
-    small = [k for k in small if specs[k][0].get("T", 0) >= 1][:max(2 * budget.follow_ups, 1)]
+    small = ([k for k in small if specs[k][0].get("T", 0) >= 2] or small)
+    small = small[:max(2 * budget.follow_ups, 1)]
     chosen = rng.sample(small, min(budget.follow_ups, len(small)))
     kinds = ["repeat", "same_buffers", "dependence", "one_element"]
     if plan.kind == "cpu":
@@ -43,8 +45,15 @@ def build_steps(plan: ShapePlan, budget: Budget, secret: Secret) -> tuple[list, 
     for k in chosen:
         for kind in kinds:
             _insert_after(steps, ("first", k), (kind, k), rng)
-    for k in rng.sample(plain, min(budget.rechecks, len(plain))):
-        _insert_after(steps, ("first", k), ("recheck", k), rng, gap=1)
+    shared = [k for k in plain if sum(specs[m][0] == specs[k][0] for m in plain) > 1]
+    for k in rng.sample(shared or plain, min(budget.rechecks, len(shared or plain))):
+        # After a later call at the same shape where there is one: a buffer the op reuses per
+        # shape is overwritten by then.
+        same = [m for m in plain if m != k and specs[m][0] == specs[k][0]
+                and steps.index(("first", m)) > steps.index(("first", k))]
+        anchor = ("first", max(same, key=lambda m: steps.index(("first", m)))) if same else \
+            ("first", k)
+        _insert_after(steps, anchor, ("recheck", k), rng, gap=0 if same else 1)
     limit = _CPU_BURST_T if plan.kind == "cpu" else _GPU_BURST_T
     burst_shapes = [s for s in plan.buckets if 1 <= s.get("T", 0) <= limit] or plan.buckets[:1]
     if burst_shapes:
