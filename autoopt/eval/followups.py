@@ -23,7 +23,7 @@ import torch
 
 from . import wire
 from .numerics import bits_equal, mismatch_count
-from .trials import Case, Judge, shape_key
+from .trials import Case, Judge, refill, shape_key
 
 
 def _same(a: tuple, b: tuple) -> bool:
@@ -165,10 +165,11 @@ def burst(j: Judge, shape: dict, seeds: list[int], reps: int, samples: list[int]
         j.findings.add("raised", f"candidate raised {reply['raised']} {where}")
         j.drop(handles)
         return info
-    fresh_sets = [j.c.make_inputs(dict(shape), s + 2 * 7919, j.device) for s in seeds]
+    fresh_sets = [refill(old, j.c.make_inputs(dict(shape), s + 2 * 7919, j.device))
+                  for old, s in zip(sets, seeds, strict=True)]
     for h, old, new in zip(handles, sets, fresh_sets, strict=True):
         for i, (a, b) in enumerate(zip(old, new, strict=True)):
-            if isinstance(a, torch.Tensor) and a.shape == b.shape:
+            if a is not b and isinstance(a, torch.Tensor):
                 j.write(h, i, b)
     j.w.request({"cmd": "burst_poison"})
     run = j._checked(j.w.request({"cmd": "burst_run", "replays": 1}))

@@ -49,6 +49,14 @@ def pair_keys(t: torch.Tensor) -> torch.Tensor:
     return (b[:-1] << 32) | b[1:]
 
 
+def refill(old: tuple, new: tuple) -> tuple:
+    """`new`'s tensors where they fit `old`'s buffers, `old`'s scalars (which stay in the worker
+    when new content is written into held buffers)."""
+    return tuple(b if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                 and a.shape == b.shape and a.dtype == b.dtype else a
+                 for a, b in zip(old, new, strict=True))
+
+
 def as_tuple(outs: Any) -> tuple:
     return tuple(outs) if isinstance(outs, tuple | list) else (outs,)
 
