@@ -190,3 +190,39 @@ def test_cpu_reports_races_not_checked(tmp_path):
     rep = verify_variant("swiglu", src, budget=Budget(seeds=1, max_tokens=24), timeout_s=120)
     assert rep.verdict == "pass", rep.reasons
     assert rep.checks["races"]["racecheck"] == "not checked (no GPU)"
+
+
+FAKE_SANITIZER = '''#!/usr/bin/env bash
+# Stands in for compute-sanitizer: runs the command, then writes a racecheck summary.
+log=""; args=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --log-file) log="$2"; shift 2;;
+    --tool|--print-limit) shift 2;;
+    *) args+=("$1"); shift;;
+  esac
+done
+"${args[@]}"; rc=$?
+echo "========= Error: Race reported between Write access and Read access" >> "$log"
+echo "========= RACECHECK SUMMARY: ERRORS hazards displayed (ERRORS errors, 0 warnings)" >> "$log"
+exit $rc
+'''
+
+
+@pytest.mark.parametrize("errors,status", [(0, "passed"), (2, "races found")])
+def test_racecheck_runs_the_worker_under_the_sanitizer(tmp_path, monkeypatch, errors, status):
+    from autoopt.eval import races
+    from autoopt.eval.plan import Budget, default_targets, plan_shapes
+    from model.ops import contract
+
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(FAKE_SANITIZER.replace("ERRORS", str(errors)))
+    fake.chmod(0o755)
+    monkeypatch.setattr(races, "sanitizer_path", lambda: str(fake))
+    text = (Path(__file__).parent / "adversarial" / "honest_triton_swiglu.py").read_bytes()
+    c, s = contract("swiglu"), Secret()
+    plan = plan_shapes(c, "cpu", default_targets("cpu"), None, Budget(), s)
+    out = races.gpu_racecheck(c, text, plan, s, None, "cpu")
+    assert out["status"] == status, out
+    assert out["summary"]["errors"] == errors
+    assert ("reason" in out) == bool(errors)

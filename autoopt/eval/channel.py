@@ -131,11 +131,12 @@ class Worker:
                     raise WorkerError("timeout", f"worker did not start within "
                                                  f"{self.budget_s:g} s") from None
 
-    def close(self) -> None:
+    def close(self, clean: bool = False, wait_s: float = 10.0) -> None:
+        """Stop the worker; `clean` lets it shut CUDA down normally (a wrapper's report)."""
         if self.sock is not None and self.proc is not None and self.proc.poll() is None:
             try:
-                self.request({"cmd": "exit"}, timeout=10)
-                self.proc.wait(timeout=10)
+                self.request({"cmd": "exit", "clean": clean}, timeout=wait_s)
+                self.proc.wait(timeout=wait_s)
             except (WorkerError, subprocess.TimeoutExpired, OSError):
                 pass
         self.kill()

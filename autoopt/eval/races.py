@@ -55,6 +55,18 @@ def parse_summary(log: str) -> dict[str, Any]:
     return {"hazards": int(m.group(1)), "errors": int(m.group(2)), "warnings": int(m.group(3))}
 
 
+def _close_and_read(w: Any, log: Path) -> str:
+    """Stop the sanitized worker cleanly (the sanitizer writes its summary at exit), read the
+    log before the worker's directory goes."""
+    if w.proc is not None and w.proc.poll() is None:
+        try:
+            w.request({"cmd": "exit", "clean": True}, timeout=120)
+            w.proc.wait(timeout=120)
+        except Exception:  # noqa: BLE001 - the log says what happened
+            pass
+    return log.read_text(errors="replace") if log.is_file() else ""
+
+
 def gpu_racecheck(c: Any, text: bytes, plan: Any, secret: Any, config: dict | None,
                   device: str) -> dict[str, Any]:
     from .channel import Worker, WorkerError
@@ -82,22 +94,20 @@ def gpu_racecheck(c: Any, text: bytes, plan: Any, secret: Any, config: dict | No
             case = j.make_case(shape, secret.seed())
             if case is not None:
                 j.first_call(case)
-        w.close()
-        text_log = log.read_text(errors="replace") if log.is_file() else ""
+        log_text = _close_and_read(w, log)
     except WorkerError as e:
-        text_log = log.read_text(errors="replace") if log.is_file() else ""
-        w.close()
-        return {**out, "status": "not checked", "log_tail": text_log[-1500:],
+        log_text = _close_and_read(w, log)
+        return {**out, "status": "not checked", "log_tail": log_text[-1500:],
                 "reason": f"races: the racecheck run failed: {e}"}
     finally:
         w.close()
-    summary = parse_summary(text_log)
-    out.update(summary=summary, log_tail=text_log[-1500:])
+    summary = parse_summary(log_text)
+    out.update(summary=summary, log_tail=log_text[-1500:])
     if not summary:
         return {**out, "status": "not checked",
                 "reason": "races: compute-sanitizer wrote no RACECHECK SUMMARY"}
     if summary["errors"]:
-        first = next((ln for ln in text_log.splitlines() if "hazard" in ln.lower()), "")
+        first = next((ln for ln in log_text.splitlines() if "hazard" in ln.lower()), "")
         return {**out, "status": "races found",
                 "reason": f"races: compute-sanitizer racecheck found {summary['hazards']} "
                           f"hazards ({summary['errors']} errors) at {shape}: {first.strip()}"}
