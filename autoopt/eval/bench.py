@@ -26,7 +26,7 @@ def _sets(c: Any, shape: dict, device: str, secret: Secret):
 def _compiled(reference: Any) -> Any:
     import torch._inductor.config as inductor_config
 
-    # Without it Inductor drops the reference's intermediate BF16 casts (NUMERICS.md), and the
+    # Without it Inductor drops the reference's intermediate BF16 casts (docs/numerics.md), and the
     # baseline would be a different, faster function.
     inductor_config.emulate_precision_casts = True
     # Python-int arguments (norm_residual_norm's add_index) differ between input sets and each

@@ -78,12 +78,13 @@ class Secret:
         return min(hi, max(lo, int(math.exp(self.rng.uniform(math.log(lo), math.log(hi + 1))))))
 
     def palette(self, dtype: torch.dtype) -> torch.Tensor:
-        """Poison that looks like data: a sequence of a few thousand normal values at a random
-        scale (integers in a plausible id range for integer dtypes), of a random length. The
+        """Poison that looks like data: a sequence of normal values at a random scale (integers
+        in a plausible id range for integer dtypes), of a random length (64k-256k). The
         worker fills free memory by tiling it from a random offset; the judge recognises
         unwritten output elements by pairs of neighbours that are neighbours in the palette."""
         g = torch.Generator().manual_seed(self.seed())
-        n = self.rng.randint(4096, 16384)
+        # Long enough that a window of it as large as an output never repeats.
+        n = self.rng.randint(1 << 16, 1 << 18)
         if not dtype.is_floating_point:
             return torch.randint(0, 256, (n,), generator=g).to(dtype)
         scale = math.exp(self.rng.uniform(math.log(0.25), math.log(4.0)))

@@ -1,7 +1,7 @@
 """The judge's side of one verification: start the worker, run the session, judge, clean up.
 
 Called by `verify.verify_variant` after the static screen and the plan. The references are
-computed with TF32 off (NUMERICS.md: FP32 GEMMs are FP32) and the setting is restored after.
+computed with TF32 off (docs/numerics.md: FP32 GEMMs are FP32) and the setting is restored after.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def start_candidate(w: Worker, text: bytes, device: str, config: dict | None,
     reply = w.request({"cmd": "load", "device": device, "path": str(path),
                        "module": f"_variant_{_secrets.token_hex(6)}", "config": config,
                        "preload": preloads(text.decode("utf-8", "replace")),
-                       "repo_root": str(REPO_ROOT), "imports": worker_imports()})
+                       "repo_root": str(REPO_ROOT), "imports": worker_imports(),
+                       "rng_seed": _secrets.randbits(62)})
     if "error" in reply:
         return f"worker could not load the variant: {reply['error']}"
     if "import_error" in reply:

@@ -124,6 +124,8 @@ def _load(state: _State, msg: dict, fds: list) -> dict:
     root = os.path.realpath(msg["repo_root"])
     sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != root
                    and os.path.realpath(p) != os.getcwd()]
+    # Global RNGs start from a secret seed: a fresh process's first random numbers tell nothing.
+    torch.manual_seed(int(msg.get("rng_seed", 0)))
     state.blocked = audit.install(msg["path"], audit.default_read_roots(), msg["imports"])
     spec = importlib.util.spec_from_file_location(msg["module"], msg["path"])
     if spec is None or spec.loader is None:
