@@ -13,6 +13,7 @@ Writes under --out:
     verdicts.json   one entry per variant: expected and actual verdict, reasons, races, floor,
                     elapsed, the run's secret (to reproduce it with `autoopt verify --secret`)
     verdicts.md     the same as a table, with the GPU, torch and triton versions
+    ceilings.json   the copy bandwidth and matmul rates the floors divide by (measured first)
     bench_swiglu.json  (unless --no-bench) the honest Triton swiglu timed in its worker against
                     the reference and torch.compile, and a cached cheat's timing voided
 and prints a short table last. Exit code 0 when every verdict is the expected one.
@@ -187,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
         args.max_tokens = args.max_tokens or 32
     items = plan_items(args.only or (list(DRY_RUN_ITEMS) if args.dry_run else None))
     start = time.monotonic()
+    if device == "cuda":
+        from autoopt.eval.timing import measure_ceilings
+
+        # Once, alone on the GPU, before the judges share it (their floors divide by it).
+        c = measure_ceilings("cuda", refresh=True)
+        (args.out / "ceilings.json").write_text(json.dumps(c.__dict__, indent=2))
     results = run_all(items, args, device)
     lines = write_tables(args.out, results, device, time.monotonic() - start)
     if not args.no_bench and time.monotonic() - start < args.budget_s:
