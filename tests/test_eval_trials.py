@@ -72,7 +72,7 @@ def session(op: str, run, budget: Budget = SMALL, secret: Secret | None = None,
     descs = w.pack(list(palettes.values()))
     w.request({"cmd": "palette", "seed": 1, "palettes": dict(zip(
         [str(d).removeprefix("torch.") for d in palettes], descs, strict=True))})
-    j = Judge(c, w, device, palette_bits(palettes))
+    j = Judge(c, w, device, palette_bits(palettes), rng=s.rng)
     plan = plan_shapes(c, device, default_targets(device), shapes, budget, s)
     specs, steps = build_steps(plan, budget, s)
     run_steps(j, specs, steps, budget, s)
@@ -237,3 +237,20 @@ def test_arg_names_and_near_misses_follow_the_contract():
     ar = contract("allreduce_norm_residual_norm")
     assert "bf16_rank_chain" not in near_misses_for(ar, {"R": 2})
     assert "bf16_rank_chain" in near_misses_for(ar, {"R": 3})
+
+
+def test_some_inputs_arrive_as_row_padded_views_and_must_be_honoured():
+    seen = []
+
+    def record(gate, up):
+        seen.append(gate.stride(0) - gate.shape[1])
+        return _swiglu(gate, up)
+
+    assert session("swiglu", record)[0] == []
+    assert any(p > 0 for p in seen) and any(p == 0 for p in seen)
+
+    def ignores_strides(gate, up):  # reads the rows as if they were packed
+        flat = gate.as_strided((gate.numel(),), (1,))
+        return _swiglu(flat.view(gate.shape), up)
+
+    assert session("swiglu", ignores_strides)[0]

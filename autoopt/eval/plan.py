@@ -81,7 +81,7 @@ class Secret:
         """Poison that looks like data: a sequence of normal values at a random scale (integers
         in a plausible id range for integer dtypes), of a random length (64k-256k). The
         worker fills free memory by tiling it from a random offset; the judge recognises
-        unwritten output elements by pairs of neighbours that are neighbours in the palette."""
+        unwritten output elements by runs of neighbours that are neighbours in the palette."""
         g = torch.Generator().manual_seed(self.seed())
         # Long enough that a window of it as large as an output never repeats.
         n = self.rng.randint(1 << 16, 1 << 18)

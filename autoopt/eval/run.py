@@ -59,13 +59,13 @@ def start_candidate(w: Worker, text: bytes, device: str, config: dict | None,
 
 
 def palette_bits(palettes: dict[torch.dtype, torch.Tensor]) -> dict[torch.dtype, torch.Tensor]:
-    """Sorted keys of every pair of cyclic neighbours of each floating palette (trials.py)."""
+    """Sorted keys of every run of cyclic neighbours of each floating palette (trials.py)."""
     from .trials import pair_keys
 
     out = {}
     for dt, p in palettes.items():
         if dt.is_floating_point:
-            out[dt] = torch.unique(pair_keys(torch.cat([p, p[:1]])))
+            out[dt] = torch.unique(pair_keys(torch.cat([p, p[:2]])))
     return out
 
 
@@ -106,7 +106,7 @@ def _session(report: Any, c: Any, w: Worker, text: bytes, plan: ShapePlan, budge
         report.checks["import"] = {"passed": False, "error": err}
         return [err]
     report.checks["import"] = {"passed": True}
-    j = Judge(c, w, report.device, palette_bits(palettes))
+    j = Judge(c, w, report.device, palette_bits(palettes), rng=s.rng)
     specs, steps = build_steps(plan, budget, s)
     report.seeds = sorted({seed for _, seed, _ in specs})
     burst = run_steps(j, specs, steps, budget, s)

@@ -19,6 +19,7 @@ from .trials import Case, Judge
 
 _CPU_BURST_T = 3
 _GPU_BURST_T = 64
+_CPU_ORDER_T = 64
 
 
 def build_steps(plan: ShapePlan, budget: Budget, secret: Secret) -> tuple[list, list[tuple]]:
@@ -39,12 +40,17 @@ def build_steps(plan: ShapePlan, budget: Budget, secret: Secret) -> tuple[list, 
     small = ([k for k in small if specs[k][0].get("T", 0) >= 2] or small)
     small = small[:max(2 * budget.follow_ups, 1)]
     chosen = rng.sample(small, min(budget.follow_ups, len(small)))
-    kinds = ["repeat", "same_buffers", "dependence", "one_element"]
-    if plan.kind == "cpu":
-        kinds += ["shuffled_random", "shuffled_reverse"]
     for k in chosen:
-        for kind in kinds:
+        for kind in ("repeat", "same_buffers", "dependence", "one_element"):
             _insert_after(steps, ("first", k), (kind, k), rng)
+    if plan.kind == "cpu":
+        # Program order: on the case with the most rows the interpreter runs quickly (more
+        # programs, more chances for an order-dependent write to show), and on a small one.
+        cheap = [k for k in plain if 2 <= specs[k][0].get("T", 0) <= _CPU_ORDER_T]
+        for k in {max(cheap, key=lambda m: specs[m][0]["T"], default=None), *chosen[:1]}:
+            if k is not None:
+                for kind in ("shuffled_random", "shuffled_reverse"):
+                    _insert_after(steps, ("first", k), (kind, k), rng)
     shared = [k for k in plain if sum(specs[m][0] == specs[k][0] for m in plain) > 1]
     for k in rng.sample(shared or plain, min(budget.rechecks, len(shared or plain))):
         # After a later call at the same shape where there is one: a buffer the op reuses per

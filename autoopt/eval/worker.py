@@ -187,7 +187,13 @@ def _materialize(state: _State, d: dict) -> Any:
     if "scalar" in d:
         return d["scalar"]
     t = state.arena.view(wire.TensorDesc.parse(d, state.arena.size))
-    out = torch.empty(t.shape, dtype=t.dtype, device=state.device)
+    pad = int(d.get("pad", 0))
+    if pad > 0 and t.dim() >= 2:  # rows farther apart than their length, as serving's views
+        inner = t[0].numel()
+        base = torch.empty(t.shape[0] * (inner + pad), dtype=t.dtype, device=state.device)
+        out = base.as_strided(t.shape, (inner + pad, *t[0].contiguous().stride()))
+    else:
+        out = torch.empty(t.shape, dtype=t.dtype, device=state.device)
     out.copy_(t)
     return out
 
