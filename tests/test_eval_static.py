@@ -114,6 +114,7 @@ REFUSED = [
     ("import typing\nh = typing.get_type_hints", "evaluates strings as code"),
     ("from torch import *", "star import"),
     ("class A(metaclass=type):\n    pass", "metaclass tricks"),
+    ("match 1:\n    case object(__class__=c):\n        pass", "matches the attribute __class__"),
     # torch.compile under any name, timers, graph-capture detection.
     ("import torch\nc = [torch][0].compile", "accesses .compile"),
     ("import torch\nx = torch.compiler", "uses torch.compile"),

@@ -272,6 +272,11 @@ class _Screen:
             r.extend(self._string_reasons(node))
         elif isinstance(node, ast.Global | ast.Nonlocal):
             r.extend(f"uses {n} (introspection)" for n in node.names if _is_dunder(n))
+        elif isinstance(node, ast.MatchClass):
+            # `case object(__class__=c)` reads attributes by name, like getattr.
+            for attr in node.kwd_attrs:
+                if _is_dunder(attr) or _FRAME_ATTR.match(attr) or attr in DENIED_ATTRS:
+                    r.append(f"matches the attribute {attr} in a class pattern (introspection)")
 
     def _name_reasons(self, node: ast.Name) -> list[str]:
         name = node.id
