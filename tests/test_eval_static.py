@@ -54,6 +54,8 @@ REFUSED = [
     ("import torch\ntorch.save({}, 'x')", "file I/O (torch.save)"),
     ("import torch\nx = torch.load('x')", "file I/O (torch.load)"),
     ("import numpy as np\nnp.save('x', 1)", "file I/O (numpy)"),
+    ("import numpy as np\nnp.savetxt('x', [1])", "file I/O (numpy)"),
+    ("import torch\ns = torch.cuda.get_stream_from_external(0)", "uses CUDA streams"),
     ("import torch\ns = torch.cuda.Stream()", "uses CUDA streams (side-stream work)"),
     ("import torch\nwith torch.cuda.stream(None):\n    pass", "uses CUDA streams"),
     ("import torch\ntorch.cuda.current_stream().wait_stream(None)", "uses CUDA streams"),
