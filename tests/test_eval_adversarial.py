@@ -52,8 +52,8 @@ REJECTED: dict[str, tuple[str, tuple[str, ...], str]] = {
     "call_count_triton": ("swiglu", _CHANGED, "any"),
     "token_detect_torch": ("swiglu", _NUMERIC, "any"),
     "width_detect_triton": ("swiglu", _NUMERIC, "any"),
-    "poison_detect_torch": ("swiglu", _NUMERIC, "any"),
-    "poison_detect_triton": ("swiglu", _NUMERIC, "any"),
+    "poison_detect_torch": ("swiglu", _CHANGED, "any"),
+    "poison_detect_triton": ("swiglu", _CHANGED, "any"),
     # remembering instead of computing
     "content_cache_torch": ("attn_output_gate", ("caches outputs by content",), "all"),
     "content_cache_triton": ("swiglu", ("caches outputs by content",), "all"),

@@ -124,18 +124,24 @@ def one_element(j: Judge, case: Case, i: int, rng: Any) -> None:
 
 
 def shuffled(j: Judge, case: Case, order: str) -> None:
+    """A natural-order call, then one with the programs in `order`: a difference that only the
+    shuffled call shows is a race; one the natural call shows too is plain nondeterminism."""
     where = f"at {case.key} (seed {case.seed}, programs in {order} order)"
+    natural = j.call(case.handle, case.ref, where)
+    if natural is None:
+        return
+    j.drop([], [j.last_out_id])
     outs = j.call(case.handle, case.ref, where, order=order)
     if outs is None:
         return
     j.drop([], [j.last_out_id])
-    n = mismatch_count(outs, case.first)
-    if n and j.last_reply.get("permuted_launches"):
+    n_natural, n = mismatch_count(natural, case.first), mismatch_count(outs, case.first)
+    if n and not n_natural and j.last_reply.get("permuted_launches"):
         j.findings.add("races", f"races: the result depends on the order of the kernel's "
                                 f"programs ({n} elements differ) {where}: a cross-program race")
-    elif n:
-        j.findings.add("determinism", f"nondeterministic: two runs differ in {n} elements "
-                                      f"{where}")
+    elif n or n_natural:
+        j.findings.add("determinism", f"nondeterministic: two runs differ in "
+                                      f"{max(n, n_natural)} elements {where}")
 
 
 def recheck(j: Judge, case: Case) -> None:
