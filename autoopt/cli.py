@@ -2,8 +2,9 @@
 
 Each command imports its implementation lazily, so `autoopt --help` stays fast and a command's
 dependencies (uvicorn, optuna, triton) load only when it runs. The serving commands live in
-`cli_serve.py` and the optimize/review commands in `cli_optimize.py`; each has a `register(app)`
-called here at the point that keeps `autoopt --help` in its order.
+`cli_serve.py`, optimize in `cli_optimize.py` and the registry/review sub-app in
+`cli_registry.py`; each has a `register(app)` called here at the point that keeps
+`autoopt --help` in its order.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
-from . import __version__, cli_optimize, cli_serve
+from . import __version__, cli_bench, cli_optimize, cli_registry, cli_serve
+from .console import make_console
 
 app = typer.Typer(
     help="Agents write, verify and tune fused GPU kernels for Beam-1.0, and serve it.",
@@ -22,7 +23,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_show_locals=False,
 )
-console = Console()
+console = make_console()
 
 
 def _version(value: bool) -> None:
@@ -98,8 +99,13 @@ def targets(
 ) -> None:
     """List the optimization targets (tasks/*.toml), or show one target's op shapes."""
     from .profiler.report import targets_command
+    from .targets import TargetError
 
-    targets_command(TargetsArgs(name, batch), console)
+    try:
+        targets_command(TargetsArgs(name, batch), console)
+    except TargetError as exc:
+        make_console(stderr=True).print(f"[red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from None
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,9 @@ class ProfileArgs:
     proxy: bool
     backend: str | None
     compare: tuple[Path, Path] | None
+    eager: bool = False
+    attention_backend: str = "auto"
+    ncu_sample: int = 0
 
 
 @app.command()
@@ -124,13 +133,21 @@ def profile(
     kernels: str = typer.Option(None, help="reference (default), tuned, or a lock file path."),
     out: Path = typer.Option(None, help="Output directory (default runs/<time>-profile-<target>)."),
     proxy: bool = typer.Option(False, help="Run a GPU target on another GPU at its shapes."),
-    backend: str = typer.Option(None, help="auto (default: ncu if present), ncu or torch."),
+    backend: str = typer.Option(None, help="auto or torch (torch.profiler); ncu adds a sampled "
+                                "Nsight Compute pass over the top ops' kernels."),
     compare: tuple[Path, Path] = typer.Option(None, help="Two profile.json files side by side."),
+    eager: bool = typer.Option(False, "--eager", help="Profile the eager step instead of the "
+                               "CUDA-graph replay the server runs."),
+    attention_backend: str = typer.Option("auto", "--attention-backend",
+                                          help="auto, torch or flashinfer."),
+    ncu_sample: int = typer.Option(0, "--ncu-sample", help="Nsight Compute on at most N "
+                                   "kernels of the top ops (0: none)."),
 ) -> None:
-    """Profile one step of a target: time, kernels, bytes and floor per op."""
+    """Profile the served step of a target: time, kernels, bytes and floor per op."""
     from .profiler.report import profile_command
 
-    args = ProfileArgs(target, batch, layers, context, kernels, out, proxy, backend, compare)
+    args = ProfileArgs(target, batch, layers, context, kernels, out, proxy, backend, compare,
+                       eager, attention_backend, ncu_sample)
     raise typer.Exit(profile_command(args, console))
 
 
@@ -181,114 +198,18 @@ def verify(
     try:
         code = verify_command(args, console)
     except (ValueError, FileNotFoundError) as exc:
-        Console(stderr=True).print(f"[red]error:[/] {exc}")
+        make_console(stderr=True).print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
     raise typer.Exit(code)
 
 
-@app.command()
-def bench(
-    op: str = typer.Option(..., "--op", help="Op name (registry key), e.g. swiglu."),
-    variant: str = typer.Option(None, "--variant", help="Variant NAME (default: reference only)."),
-    source: Path = typer.Option(None, "--source", help="A variant file outside any registry."),
-    registry: Path = typer.Option(None, "--registry", help="Registry DIR (default: kernels/)."),
-    target: str = typer.Option(None, "--target", help="Target whose shapes to time."),
-    tokens: str = typer.Option(None, help="Token counts, e.g. 1,8,32 (default: the op's)."),
-    device: str = typer.Option("auto", help="cpu, cuda or auto (cuda when present)."),
-    warmup: int = typer.Option(10, help="Warm-up calls before timing."),
-    iters: int = typer.Option(50, help="Timed samples (graph replays on cuda)."),
-    compile_: bool = typer.Option(True, "--compile/--no-compile",
-                                  help="Also time torch.compile of the reference."),
-    json_out: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
-) -> None:
-    """Time reference, torch.compile and a variant: median, IQR, ratios, % of floor."""
-    from .eval.commands import BenchArgs, bench_command
-
-    args = BenchArgs(op, variant, source, registry, target, tokens, device, warmup, iters,
-                     compile_, json_out)
-    try:
-        code = bench_command(args, console)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        Console(stderr=True).print(f"[red]error:[/] {exc}")
-        raise typer.Exit(2) from None
-    raise typer.Exit(code)
+# `bench op` / `bench model` (and `bench --op X`) live in cli_bench.py
+cli_bench.register(app)
 
 
-# ---- registry (issue 4b) ------------------------------------------------------------------------
-registry_app = typer.Typer(help="The kernel registry: variants, records, tuned configs, the lock.",
-                           no_args_is_help=True)
-app.add_typer(registry_app, name="registry")
-_REGISTRY_DIR = typer.Option(None, "--registry",
-                             help="Registry directory (default: $AUTOOPT_REGISTRY or kernels/).")
-
-
-def _registry(command: str, **fields) -> None:
-    from .registry_cmd import RegistryArgs, run_registry
-
-    code = run_registry(command, RegistryArgs(**fields), console)
-    if code:
-        raise typer.Exit(code)
-
-
-@registry_app.command("list")
-def registry_list(
-    registry: Path = _REGISTRY_DIR,
-    op: str = typer.Option(None, "--op", help="Only this op."),
-) -> None:
-    """Every variant: status, file check (exit 1 if a recorded file changed), lock, speed-up."""
-    _registry("list", root=registry, op=op)
-
-
-@registry_app.command("show")
-def registry_show(
-    op: str = typer.Argument(..., help="Op name, e.g. rmsnorm."),
-    variant: str = typer.Argument(..., help="Variant name, e.g. triton_v1."),
-    registry: Path = _REGISTRY_DIR,
-    as_json: bool = typer.Option(False, "--json", help="Print the record as JSON."),
-) -> None:
-    """One variant's record: provenance, verification, benchmarks, tuned configs."""
-    _registry("show", root=registry, op=op, variant=variant, as_json=as_json)
-
-
-@registry_app.command("diff")
-def registry_diff(
-    op: str = typer.Argument(..., help="Op name."),
-    a: str = typer.Argument(..., help="First variant."),
-    b: str = typer.Argument(..., help="Second variant."),
-    registry: Path = _REGISTRY_DIR,
-) -> None:
-    """Source diff of two variants of one op, with their evidence side by side."""
-    _registry("diff", root=registry, op=op, variant=a, other=b)
-
-
-@registry_app.command("lock")
-def registry_lock(
-    registry: Path = _REGISTRY_DIR,
-    arch: str = typer.Option(None, help="Arch section, e.g. sm_90 (default: this machine's)."),
-    op: str = typer.Option(None, "--op", help="Op to select a variant for."),
-    variant: str = typer.Option(None, "--variant", help="Accepted variant to lock for --op."),
-    unset: bool = typer.Option(False, "--unset", help="Remove --op from the arch section."),
-    lock_file: Path = typer.Option(None, "--file", help="Lock file (default: the registry's)."),
-) -> None:
-    """Show the lock (exit 1 if an entry is not an accepted, unmodified variant), or edit it."""
-    _registry("lock", root=registry, arch=arch, op=op, variant=variant, unset=unset,
-              lock_file=lock_file)
-
-
-@registry_app.command("set-status")
-def registry_set_status(
-    op: str = typer.Argument(..., help="Op name."),
-    variant: str = typer.Argument(..., help="Variant name."),
-    status: str = typer.Argument(..., help="candidate, accepted or rejected."),
-    reason: str = typer.Option("", help="Why (kept in the record)."),
-    registry: Path = _REGISTRY_DIR,
-) -> None:
-    """Set a recorded variant's status (only accepted variants can be locked)."""
-    _registry("set-status", root=registry, op=op, variant=variant, status=status, reason=reason)
-
-
-# ---- optimize & review (issue 6): optimize, the review sub-app live in cli_optimize.py ------
+# ---- optimize (cli_optimize.py), the registry and its `review` alias (cli_registry.py) ----------
 cli_optimize.register(app)
+cli_registry.register(app)
 
 
 if __name__ == "__main__":  # `python -m autoopt.cli`, e.g. under torchrun (issue 7)

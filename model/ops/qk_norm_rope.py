@@ -81,8 +81,10 @@ def _fma_rope(q, k, q_weight, k_weight, cos, sin, eps):
 
 NUMERICS = Numerics(
     kind="ulp",
-    max_ulp=1,
-    # The head_dim=128 norm reduction order may differ; RoPE itself is elementwise.
+    # The head_dim=128 norm reduction order may differ; RoPE itself is elementwise, but a 1-ulp
+    # flip of the BF16-rounded normed q/k feeds two products and a cancelling sum, which can
+    # land 2 ulps from the reference on rare elements.
+    max_ulp=2,
     max_mismatch_fraction=1e-3,
     near_misses={"rope_on_unrounded_norm": _rope_on_unrounded_norm, "fma_rope": _fma_rope},
 )

@@ -53,7 +53,9 @@ def _scale_unrounded_norm(q, k, q_weight, k_weight, positions, eps):
 
 NUMERICS = Numerics(
     kind="ulp",
-    max_ulp=1,
+    # A 1-ulp flip of the BF16-rounded normed q (another reduction order) times tau rounds
+    # again: up to 2 ulps from the reference on rare elements.
+    max_ulp=2,
     max_mismatch_fraction=1e-3,
     near_misses={
         "zero_based_position": _zero_based_position,

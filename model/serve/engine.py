@@ -36,7 +36,9 @@ class EngineConfig:
     model: str | None = None  # checkpoint directory (HF layout); None when a model is passed in
     device: str = "auto"  # auto = cuda when available, else cpu
     dtype: str = "bfloat16"
-    kernels: str = "tuned"  # reference | tuned | path to a registry lock file
+    # reference | tuned | path to a registry lock file. A model passed to LLMEngine gets this
+    # set's ops; None keeps the passed model's own ops (loading a checkpoint: tuned).
+    kernels: str | None = "tuned"
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     max_num_batched_tokens: int = 2048
@@ -48,6 +50,7 @@ class EngineConfig:
     tp: int = 1  # tensor-parallel ranks (model/serve/tp_worker.py starts them)
     ep: int = 1  # expert parallelism: 1 (experts split by TP) or tp (experts split across ranks)
     attention_backend: str = "auto"  # auto | torch | flashinfer (model/serve/flashinfer_attention)
+    registry: str | None = None  # the registry DIR kernels and their lock come from (None: default)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -89,8 +92,18 @@ def load_engine_model(config: EngineConfig) -> BeamForCausalLM:
                          "generate --tp N`), not LLMEngine(config) in one process")
     kwargs = {"dtype": config.torch_dtype, "device": str(config.resolved_device())}
     if "kernels" in inspect.signature(weights.load_model).parameters:
-        kwargs["kernels"] = config.kernels
+        kwargs["kernels"] = config.kernels or "tuned"
+        kwargs["registry"] = config.registry
     return weights.load_model(config.model, **kwargs)
+
+
+def apply_kernels(model: BeamForCausalLM, kernels: str, registry: str | None = None) -> None:
+    """Give a model passed to the engine the ops of `EngineConfig.kernels` (for its device's
+    arch, from `registry`); its collectives (TP) stay as attached."""
+    from ..registry import resolve_ops
+
+    model.set_ops(resolve_ops(kernels, registry, device=model.device, dtype=model.dtype))
+    log.info("engine: the passed model runs --kernels %s", kernels)
 
 
 def load_tokenizer(path: str | None):
@@ -105,6 +118,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: BeamForCausalLM | None = None,
                  tokenizer=None) -> None:
         self.config = config
+        if model is not None and config.kernels is not None:
+            apply_kernels(model, config.kernels, config.registry)
         self.model = model if model is not None else load_engine_model(config)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
         self.model_config = self.model.config
