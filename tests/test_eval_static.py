@@ -37,7 +37,7 @@ REFUSED = [
     ("from . import helper", "relative import"),
     ("x = eval('1')", "calls eval"),
     ("exec('x = 1')", "calls exec"),
-    ("c = compile('1', 'f', 'eval')", "uses the name compile"),
+    ("c = compile('1', 'f', 'eval')", "uses compile (calls compile)"),
     ("m = __import__('os')", "uses __import__"),
     ("f = open('/tmp/x', 'w')", "uses open (file I/O)"),
     ("import torch\nf = getattr(torch, 'comp' + 'ile')", "uses getattr"),

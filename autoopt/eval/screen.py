@@ -24,6 +24,7 @@ import importlib
 import importlib.util
 import re
 import types
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -41,14 +42,17 @@ LANGUAGE_MODULES: dict[str, frozenset[str]] = {
         "triton.language.extra.cuda.libdevice",
     }),
     "cute": frozenset({
-        "cutlass", "cutlass.cute", "cutlass.cute.runtime", "cutlass.cute.nvgpu",
-        "cutlass.cute.nvgpu.warpgroup", "cutlass.cute.nvgpu.cpasync", "cutlass.cute.nvgpu.warp",
-        "cutlass.utils", "cutlass.pipeline", "cutlass.torch", "cuda", "cuda.bindings",
-        "cuda.bindings.driver",
+        "cutlass", "cutlass.cute", "cutlass.cute.runtime", "cutlass.cute.arch",
+        "cutlass.cute.math", "cutlass.cute.nvgpu", "cutlass.cute.nvgpu.warpgroup",
+        "cutlass.cute.nvgpu.cpasync", "cutlass.cute.nvgpu.warp", "cutlass.cute.nvgpu.tcgen05",
+        "cutlass.utils", "cutlass.utils.hopper_helpers", "cutlass.utils.blackwell_helpers",
+        "cutlass.pipeline", "cutlass.torch", "cuda", "cuda.bindings", "cuda.bindings.driver",
     }),
     "flashinfer": frozenset({"flashinfer"}),
 }
 ALLOWED_MODULES = frozenset().union(*LANGUAGE_MODULES.values())
+# Names a denied attribute would refuse that are a kernel language's own: CuTe's JIT compiler.
+ALLOWED_PATHS = frozenset({"cutlass.cute.compile"})
 # Kept for callers of the old screen (the audit hook reads the top-level names).
 ALLOWED_IMPORTS = frozenset(m.split(".")[0] for m in ALLOWED_MODULES)
 
@@ -288,8 +292,6 @@ class _Screen:
             if name in _OK_DUNDER_NAMES:
                 return []
             return [f"uses {name} (introspection)"]
-        if name in DENIED_ATTRS and name not in self.aliases:
-            return [f"uses the name {name} ({DENIED_ATTRS[name]})"]
         if isinstance(node.ctx, ast.Load) and name not in self.bound and \
                 name not in SAFE_BUILTINS:
             why = _BUILTIN_WHY.get(name, "not bound in the variant and not an allowed builtin")
@@ -357,6 +359,8 @@ _BUILTIN_WHY = {
 
 def _path_reasons(path: str, module: bool = False) -> list[str]:
     """Why the dotted `path` (a module, or an attribute chain from one) is refused."""
+    if path in ALLOWED_PATHS:
+        return []
     for prefix, why in DENIED_PATHS:
         if path == prefix or path.startswith(prefix + ".") or (
                 prefix.endswith("_") and path.startswith(prefix)):
@@ -387,7 +391,7 @@ def _walk(parts: list[str], module: bool) -> list[str]:
             return [f"accesses {name} (introspection): {prefix}"]
         if name.startswith("_"):
             return [f"accesses the private {prefix}"]
-        if name in DENIED_ATTRS:
+        if name in DENIED_ATTRS and prefix not in ALLOWED_PATHS:
             return [f"reaches {prefix} ({DENIED_ATTRS[name]})"]
         nxt = _getattr(obj, name) if obj is not _MISSING else _MISSING
         if nxt is _MISSING and (i == len(parts) and module or _is_module_path(prefix)):
@@ -408,7 +412,9 @@ def _import(name: str) -> Any:
 
 def _getattr(obj: Any, name: str) -> Any:
     try:
-        return getattr(obj, name)
+        with warnings.catch_warnings():  # deprecated aliases warn when merely looked up
+            warnings.simplefilter("ignore")
+            return getattr(obj, name)
     except Exception:  # noqa: BLE001 - lazy attributes that fail to load are just unknown
         return _MISSING
 

@@ -122,8 +122,9 @@ def _load(state: _State, msg: dict, fds: list) -> dict:
     if os.environ.get("TRITON_INTERPRET") == "1" and not state.device.startswith("cuda"):
         _permutable_grid(state.order)
     root = os.path.realpath(msg["repo_root"])
-    sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != root
-                   and os.path.realpath(p) != os.getcwd()]
+    if os.path.isfile(os.path.join(root, "pyproject.toml")):  # a checkout, not site-packages
+        sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != root
+                       and os.path.realpath(p) != os.getcwd()]
     # Global RNGs start from a secret seed: a fresh process's first random numbers tell nothing.
     torch.manual_seed(int(msg.get("rng_seed", 0)))
     state.blocked = audit.install(msg["path"], audit.default_read_roots(), msg["imports"])
