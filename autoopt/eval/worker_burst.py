@@ -89,7 +89,7 @@ def poison(state: _State, msg: dict, fds: list) -> dict:
                 continue
             src = palette_tile(state, _dtype_name(o), o.numel())
             if src is not None:
-                o.view(-1).copy_(src.to(o.device))
+                o.copy_(src.to(o.device).view(o.shape))  # any strides
                 n += 1
     _synchronize()
     return {"poisoned": n}
