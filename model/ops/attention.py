@@ -25,6 +25,13 @@ AXES = {
     "Hkv": "KV heads/rank",
 }
 
+# Test shapes (model/ops/_contract.py "Test shapes"): see `test_shapes` below.
+CPU_DIMS = {"Hq": 6, "Hkv": 1, "D": 128}
+CPU_FREE_DIMS = {"Hq": (1, 12)}
+TOKEN_RANGE = {"cpu": (1, 64)}
+EDGE_SCALES = {"tiny": {0: 2.0**-40}, "huge": {0: 2.0**4}}
+GPU_MIN_CONTEXT = 4096
+
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
     """[T, S] bool: which keys each query may attend."""
@@ -85,3 +92,17 @@ def shapes_for(cfg, tokens: int, shard=None, context: int | None = None, layer: 
         "D": cfg.head_dim,
         "W": window,
     }
+
+
+def test_shapes(cfg, shard, tokens: int, kind: str) -> list[dict[str, int]]:
+    """Full and sliding-window attention over a context longer than the query chunk."""
+    if kind == "cpu":
+        return [{"T": tokens, "S": tokens + 37, "W": w, **CPU_DIMS} for w in (0, 16)]
+    layers = range(cfg.num_hidden_layers)
+    full = next((i for i in layers if cfg.window(i) is None), 0)
+    slide = next((i for i in layers if cfg.window(i) is not None), None)
+    ctx = max(GPU_MIN_CONTEXT, tokens)
+    out = [shapes_for(cfg, tokens, shard, context=ctx, layer=full)]
+    if slide is not None:
+        out.append(shapes_for(cfg, tokens, shard, context=ctx, layer=slide))
+    return out

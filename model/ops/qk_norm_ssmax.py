@@ -22,6 +22,10 @@ SIGNATURE = (
     "positions[T] int64, eps: float) -> (q[T,Hq,D], k[T,Hkv,D]) bf16"
 )
 AXES = {"T": "tokens (varies)", "Hq": "query heads/rank", "Hkv": "KV heads/rank", "D": "head_dim"}
+# Test shapes (model/ops/_contract.py "Test shapes").
+CPU_DIMS = {"Hq": 6, "Hkv": 1, "D": 128}
+CPU_FREE_DIMS = {"Hq": (1, 12)}  # Hkv = 1: any Hq is a whole GQA group
+EDGE_SCALES = {"tiny": {0: 2.0**-40, 1: 2.0**-40}, "huge": {0: 2.0**40, 1: 2.0**40}}
 
 
 def ssmax_scale(positions: torch.Tensor) -> torch.Tensor:

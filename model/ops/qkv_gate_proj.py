@@ -19,6 +19,10 @@ SIGNATURE = (
     "num_kv_heads: int) -> (q[T,Hq,D], k[T,Hkv,D], v[T,Hkv,D], gate[T,Hq,D]) bf16"
 )
 AXES = {"T": "tokens (varies)", "H": "hidden", "Hq": "query heads/rank", "Hkv": "KV heads/rank"}
+# Test shapes (model/ops/_contract.py "Test shapes").
+CPU_DIMS = {"H": 320, "Hq": 6, "Hkv": 1, "D": 128}
+CPU_FREE_DIMS = {"H": (8, 640), "Hq": (1, 12)}
+EDGE_SCALES = {"tiny": {0: 2.0**-40}, "huge": {0: 2.0**40}}
 
 
 def pack_qkv_gate(q_w, k_w, v_w, gate_w) -> torch.Tensor:
