@@ -323,3 +323,13 @@ def self_check(view: PeerView | None, group, reference) -> str:
     except Exception as exc:  # a kernel that cannot build or run here
         return f"{type(exc).__name__}: {exc}"
     return ""
+
+
+def simulate_boundary(views: list[PeerView], partials: Tensor, residual: Tensor,
+                      post_weight: Tensor, next_weight: Tensor, add_index: int, eps: float,
+                      config: dict | None = None) -> list[tuple[Tensor, Tensor]]:
+    """One boundary call of every simulated rank: all publish (partials[r]), then all read."""
+    for view in views:
+        view.publish(partials[view.rank])
+    return [view.wait_boundary(residual, post_weight, next_weight, add_index, eps, config)
+            for view in views]
