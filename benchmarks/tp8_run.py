@@ -270,11 +270,13 @@ def _device_name() -> str:
     return platform.processor() or "cpu"
 
 
-def _stage_cmd(name: str, opts, out: Path) -> list[str] | None:
+def _stage_cmd(name: str, opts, out: Path, limit: float) -> list[str] | None:
     """The command of a stage (None: not run in this mode)."""
     py, n, dry = sys.executable, str(opts.tp), ["--dry-run"] if opts.dry_run else []
     me = [py, str(Path(__file__).resolve()), "--gpus", str(opts.gpus), "--work", opts.work, *dry]
-    bench = [py, str(REPO / "benchmarks" / "tp_bench.py"), "--tp", n, *dry]
+    # tp_bench's own bound comes first, so that it stops its ranks and says so.
+    bench = [py, str(REPO / "benchmarks" / "tp_bench.py"), "--tp", n, "--timeout",
+             str(max(20, int(limit) - 15)), *dry]
     if name == "sim":
         return [*me, "--stage", "sim", "--out", str(out)] if opts.gpus == 1 else None
     if opts.gpus == 1:
@@ -344,10 +346,10 @@ def _env() -> dict:
 
 
 def run_stage(name: str, opts, out: Path, left_s: float) -> dict:
-    cmd = _stage_cmd(name, opts, out)
+    limit = min(LIMITS[name], left_s)
+    cmd = _stage_cmd(name, opts, out, limit)
     if cmd is None:
         return {"stage": name, "ran": False}
-    limit = min(LIMITS[name], left_s)
     if limit < 30:
         return {"stage": name, "ran": False, "why": f"only {left_s:.0f} s of the budget left"}
     print(f"== {name} (limit {limit:.0f} s) {time.strftime('%H:%M:%S')}", flush=True)
@@ -372,6 +374,11 @@ def _load(path: Path) -> dict | None:
         return None
 
 
+def _results(where: Path) -> dict | None:
+    """tp_bench's results, or what its rank 0 had written when the stage was cut short."""
+    return _load(where / "tp_bench.json") or _load(where / "tp_bench.partial.json")
+
+
 def summary(out: Path) -> list[str]:
     lines = []
     sim = _load(out / "sim.json")
@@ -392,19 +399,19 @@ def summary(out: Path) -> list[str]:
                      f" vs own {par['bf16_own_noise']:.3g}, greedy equal "
                      f"{par['bf16_greedy_equal']}")
         lines.append(f"parity   {par['boundary_note']}")
-    bnd = _load(out / "boundary" / "tp_bench.json")
+    bnd = _results(out / "boundary")
     for row in (bnd or {}).get("boundary", []):
         if row["impl"] in ("allreduce", "gather+fused", "oneshot", "comm:oneshot",
                            "comm:allgather", "comm:allreduce"):
-            us = row.get("median_us")
-            text = f"{us:9.1f} us (slowest rank {row['max_rank_median_us']:.1f})" \
-                if us is not None else str(row.get("error"))[:60]
+            us, slowest = row.get("median_us"), row.get("max_rank_median_us")
+            text = (f"{us:9.1f} us" + (f" (slowest rank {slowest:.1f})" if slowest else "")
+                    if us is not None else str(row.get("error"))[:60])
             lines.append(f"boundary T={row['tokens']:<5} {row['mode']:<5} {row['impl']:<14} "
                          f"{text}")
     for row in (bnd or {}).get("verify", []):
         lines.append(f"verify   T={row['tokens']:<5} {row['impl']:<14} bitwise on every rank "
-                     f"{row['all_ranks_bitwise']}")
-    steps = _load(out / "steps" / "tp_bench.json")
+                     f"{row.get('all_ranks_bitwise', str(row['bitwise']) + ' (rank 0)')}")
+    steps = _results(out / "steps")
     for row in (steps or {}).get("step", []):
         floor = f"floor {row['floor_ms']:.2f} ms, x{row['x_floor']:.1f}" if row["floor_ms"] \
             else f"comm floor {row['comm_floor_ms']:.2f} ms"

@@ -251,7 +251,7 @@ def step_bytes(model, attn: DecodeAttention, step, batch: int) -> dict:
     return {"weights": dense, "experts": experts, "kv": kv, "total": dense + experts + kv}
 
 
-def bench_steps(group: TPGroup, cfg: BeamConfig, model, impls, opts) -> list[dict]:
+def bench_steps(group: TPGroup, cfg: BeamConfig, model, impls, opts, progress) -> list[dict]:
     rows = []
     attn = DecodeAttention(cfg, group, max(opts.batches), opts.context)
     model.attention_backend = attn
@@ -280,6 +280,7 @@ def bench_steps(group: TPGroup, cfg: BeamConfig, model, impls, opts) -> list[dic
                          "iqr_ms": stats["iqr_us"] / 1e3, "steps": stats["samples"],
                          "logits_equal_to_first_impl": bool(torch.equal(logits, first_logits[b])),
                          **floor, "x_floor": ms / floor["floor_ms"] if floor["floor_ms"] else None})
+            progress(rows)
     if group.peers is not None:
         group.peers.check()
     group.boundary_impl = "gather"
@@ -310,13 +311,22 @@ def rank_main(group: TPGroup, opts) -> dict:
     group.boundary_impl = "oneshot"
     model = random_model(cfg, group, 0, max(max(opts.tokens), max(opts.batches)), step_base)
     boundary, verify, saved = [], [], []
+
+    def progress(steps: list) -> None:  # rank 0 keeps what is done, should the run be cut short
+        if group.rank == 0:
+            out = Path(opts.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "tp_bench.partial.json").write_text(json.dumps(
+                {"boundary": boundary, "verify": verify, "step": steps}, default=str) + "\n")
+
     for tokens in opts.tokens:
         cases, reset, checks = boundary_cases(group, cfg, impls, tokens)
         verify += checks
         boundary += time_cases(group, tokens, cases, reset, opts, graph=False)
         saved.append((tokens, cases, reset))
+        progress([])
     step_impls = [(label, name, step_base) for label, name, _ in impls if label in BOUNDARIES]
-    steps = bench_steps(group, cfg, model, step_impls, opts) if opts.batches[0] else []
+    steps = bench_steps(group, cfg, model, step_impls, opts, progress) if opts.batches[0] else []
     model.attention_backend = None
     # CUDA-graph timings last: a capture that fails must not cost the eager results above.
     if group.device.type == "cuda" and not opts.no_graphs:
