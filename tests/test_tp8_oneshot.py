@@ -183,10 +183,11 @@ from model.registry import Registry
 k = Registry().load_variant("allreduce_norm_residual_norm", "oneshot_v1")
 
 
-def build(kernel, signature, constexprs):
+def build(kernel, signature, constexprs, num_warps=4):
     sig = {**signature, **dict.fromkeys(constexprs, "constexpr")}
     src = ASTSource(kernel, sig, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps}).asm["ptx"]
 
 
 ptrs = {f"p{i}": "*bf16" for i in range(8)}
@@ -194,21 +195,30 @@ flags = {f"f{i}": "*i64" for i in range(8)}
 pub = build(k._allreduce_norm_residual_norm_publish_kernel, {
     "part_ptr": "*bf16", "data_ptr": "*bf16", "epochs_ptr": "*i64", **flags,
     "stride_part": "i64", "slot_stride": "i64", "cap": "i64", "rank": "i32"},
-    {"N": 5120, "BLOCK": 1024, "R": 8})
+    {"N": 5120, "BLOCK": 1024, "R": 8, "ON_GPU": True})
 row = build(k._allreduce_norm_residual_norm_rowsum_kernel, {
     **ptrs, "flags_ptr": "*i64", "epochs_ptr": "*i64", "status_ptr": "*i32",
     "out_ptr": "*bf16", "stride_branch": "i64", "slot_stride": "i64", "cap": "i64",
     "stride_out": "i64"},
     {"N": 5120, "BLOCK": 1024, "R": 8, "ON_GPU": True, "PEERS": True, "SPIN_LIMIT": 1 << 28})
-json.dump({"publish": pub, "rowsum": row}, sys.stdout)
+# The boundary's row program at one token (torch's layout: 512 lanes, 16 warps).
+fwd = build(k._allreduce_norm_residual_norm_fwd_kernel, {
+    **ptrs, "flags_ptr": "*i64", "epochs_ptr": "*i64", "status_ptr": "*i32", "res_ptr": "*bf16",
+    "post_w_ptr": "*bf16", "next_w_ptr": "*bf16", "normed_ptr": "*bf16", "new_res_ptr": "*bf16",
+    "stride_branch": "i64", "slot_stride": "i64", "cap": "i64", "stride_res": "i64",
+    "stride_normed": "i64", "stride_new_res": "i64", "inv_n": "fp32", "eps": "fp32",
+    "scale_a": "fp32", "scale_b": "fp32"},
+    {"N": 5120, "TX": 512, "VEC": 4, "NCHUNK": 3, "UNROLL": 3, "R": 8, "ON_GPU": True,
+     "PEERS": True, "SPIN_LIMIT": 1 << 28}, num_warps=16)
+json.dump({"publish": pub, "rowsum": row, "fwd": fwd}, sys.stdout)
 """
 
 
 @pytest.mark.slow
 def test_sm90_build_orders_its_flags_at_system_scope():
-    """publish: data stores, a CTA barrier, then release stores at system scope into peers'
-    flags; the row program polls with acquire loads at system scope and traps on a timeout.
-    No multicast (multimem) instruction anywhere."""
+    """publish: data stores, a CTA barrier, a system-scope fence, then relaxed system-scope
+    stores into the 8 peers' flags; the row program polls the flags with volatile loads, traps
+    on a timeout and fences at system scope before reading. No multicast (multimem) anywhere."""
     import json
     import os
     import subprocess
@@ -225,8 +235,12 @@ def test_sm90_build_orders_its_flags_at_system_scope():
         pytest.skip(f"cannot build for sm_90 here: {proc.stderr.strip().splitlines()[-1:]}")
     ptx = json.loads(proc.stdout)
     pub, row = ptx["publish"], ptx["rowsum"]
-    assert pub.count("atom.global.sys.release.exch.b64") == 8
     body = pub[pub.index(".entry"):]
-    assert body.rindex("st.global") < body.index("bar.sync") < body.index("release.exch")
-    assert row.count("ld.global.sys.acquire.b64") >= 8 and "trap;" in row
-    assert "multimem" not in pub + row
+    assert body.count("atom.global.sys.relaxed.exch.b64") == 8 and "release" not in body
+    assert (body.rindex("st.global") < body.index("bar.sync")
+            < body.index("fence.acq_rel.sys") < body.index("relaxed.exch"))
+    for body in (ptx["rowsum"], ptx["fwd"]):
+        body = body[body.index(".entry"):]
+        assert "ld.volatile.global" in body and "trap;" in body
+        assert body.index("ld.volatile.global") < body.rindex("fence.acq_rel.sys")
+    assert "multimem" not in pub + row + ptx["fwd"]

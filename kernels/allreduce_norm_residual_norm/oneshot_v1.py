@@ -14,11 +14,12 @@ in the `normed` output row between the passes (it is exactly bf16), so each part
 
 Distributed use (model/p2p.py owns the buffers; every rank calls the two launchers in turn):
     publish(...)          rank i, row t: e = epochs[t] + 1; copy its partial row into its buffer
-                          slot e % 2; then flags_j[i, t] = e in every rank j's flags (a release
-                          store at system scope, after a CTA barrier)
-    boundary_peers(...)   rank i, row t: wait until flags_i[r, t] >= epochs[t] for every r
-                          (acquire loads at system scope), then the row program above over the
-                          R buffers' slot e % 2
+                          slot e % 2; a CTA barrier and a system-scope fence; then
+                          flags_j[i, t] = e in every rank j's flags (relaxed stores, in flight
+                          together)
+    boundary_peers(...)   rank i, row t: poll flags_i[:, t] until every rank's is >= epochs[t]
+                          (volatile loads, then a system-scope fence: an acquire), then the row
+                          program above over the R buffers' slot e % 2
     allreduce_peers(...)  the same wait, then only the rank sum x (an all-reduce of [T, H])
 Epochs live on the device, one per row, so a captured CUDA graph replays correctly. Two slots make
 one barrier per call enough: rank i rewrites slot s of row t only two calls of that row later,
@@ -46,6 +47,7 @@ LANGUAGE = "triton"
 CONFIG_SPACE = {"num_warps": [1, 2, 4, 8, 16], "UNROLL": [1, 2, 4, 8]}
 DEFAULT_CONFIG: dict = {}
 MAX_RANKS = 8  # pointer arguments of the kernels; a larger group falls back to NCCL
+_FLAG_LANES = tl.constexpr(MAX_RANKS)  # the wait polls every rank's flag of a row at once
 # Polls of a flag before a rank gives up on a peer (about a minute or more on an H200).
 SPIN_LIMIT = 1 << 28
 _TORCH_MAX_THREADS = 512  # Reduce.cuh max_reduce_threads for FP32
@@ -172,21 +174,34 @@ def _trap(v):
 
 
 @triton.jit
+def _fence_sys(v, ON_GPU: tl.constexpr):
+    # fence.acq_rel.sys: with the relaxed flag accesses around it, a release (publish) or an
+    # acquire (wait) pattern at system scope. The interpreter runs in program order.
+    if ON_GPU:
+        tl.inline_asm_elementwise("fence.acq_rel.sys; mov.b32 $0, $1;", "=r,r", [v],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _wait_row(flags_ptr, status_ptr, row, cap, e, R: tl.constexpr, SPIN_LIMIT: tl.constexpr,
               ON_GPU: tl.constexpr):
-    # Until every rank r has published row `row` of epoch e: flags[r, row] >= e.
-    for r in tl.static_range(R):
-        f = flags_ptr + r * cap + row
-        v = tl.atomic_add(f, 0, sem="acquire", scope="sys")
-        n = 0
-        while (v < e) & (n < SPIN_LIMIT):
-            v = tl.atomic_add(f, 0, sem="acquire", scope="sys")
-            n += 1
-        if v < e:
-            tl.atomic_or(status_ptr, 1 << r)
-            if ON_GPU:
-                _trap(v.to(tl.int32))
-    # The acquire was one thread's; the CTA barrier orders every thread's loads after it.
+    # Until every rank r has published row `row` of epoch e: flags[r, row] >= e. All R flags are
+    # polled at once (volatile loads: relaxed at system scope), then one fence makes it an
+    # acquire; the CTA barrier orders every thread's loads of the partials after it.
+    r = tl.arange(0, _FLAG_LANES)
+    ptrs = flags_ptr + r * cap + row
+    live = r < R
+    v = tl.where(live, tl.load(ptrs, mask=live, other=0, volatile=True), e)
+    n = 0
+    while (tl.min(v, axis=0) < e) & (n < SPIN_LIMIT):
+        v = tl.where(live, tl.load(ptrs, mask=live, other=0, volatile=True), e)
+        n += 1
+    late = tl.sum(tl.where(v < e, 1 << r, 0), axis=0)
+    if late != 0:
+        tl.atomic_or(status_ptr, late.to(tl.int32))
+        if ON_GPU:
+            _trap(late.to(tl.int32))
+    _fence_sys(late.to(tl.int32), ON_GPU)
     tl.debug_barrier()
 
 
@@ -194,7 +209,7 @@ def _wait_row(flags_ptr, status_ptr, row, cap, e, R: tl.constexpr, SPIN_LIMIT: t
 def _allreduce_norm_residual_norm_publish_kernel(
     part_ptr, data_ptr, epochs_ptr, f0, f1, f2, f3, f4, f5, f6, f7,
     stride_part, slot_stride, cap, rank,
-    N: tl.constexpr, BLOCK: tl.constexpr, R: tl.constexpr,
+    N: tl.constexpr, BLOCK: tl.constexpr, R: tl.constexpr, ON_GPU: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     e = tl.load(epochs_ptr + row) + 1
@@ -205,11 +220,13 @@ def _allreduce_norm_residual_norm_publish_kernel(
         o = k + tl.arange(0, BLOCK)
         m = o < N
         tl.store(dst + o, tl.load(src + o, mask=m), mask=m)
-    # Every thread's copy is done (CTA barrier) before the release stores publish it.
+    # Every thread's copy is done (CTA barrier), then one fence: the relaxed flag stores after it
+    # publish the row, and need not wait for each other.
     tl.debug_barrier()
+    _fence_sys(e.to(tl.int32), ON_GPU)
     for r in tl.static_range(R):
         f = _pick(r, f0, f1, f2, f3, f4, f5, f6, f7)
-        tl.atomic_xchg(f + rank * cap + row, e, sem="release", scope="sys")
+        tl.atomic_xchg(f + rank * cap + row, e, sem="relaxed", scope="sys")
 
 
 # ---- the row programs ----------------------------------------------------------------------------
@@ -322,6 +339,11 @@ def default_unroll(tx: int, nchunk: int) -> int:
     return max(1, min(8, 2048 // (4 * tx), nchunk))
 
 
+def _unroll(tx: int, nchunk: int, peers: bool) -> int:
+    # Reading peers, a chunk's loads cross NVLink: short rows keep all their chunks in flight.
+    return max(default_unroll(tx, nchunk), min(8, nchunk)) if peers else default_unroll(tx, nchunk)
+
+
 def _padded(ptrs: list) -> list:
     if not 1 <= len(ptrs) <= MAX_RANKS:
         raise ValueError(f"oneshot_v1 reads 1..{MAX_RANKS} ranks' partials, got {len(ptrs)}")
@@ -364,7 +386,7 @@ def _norm_launch(ptrs, sync, stride_branch: int, slot_stride: int, cap: int, res
         stride_branch, slot_stride, cap, residual.stride(0), normed.stride(0), new_res.stride(0),
         inv_n, eps, scale_a, scale_b,
         N=h, TX=tx, VEC=vec, NCHUNK=nchunk,
-        UNROLL=config.get("UNROLL") or default_unroll(tx, nchunk), R=len(ptrs),
+        UNROLL=config.get("UNROLL") or _unroll(tx, nchunk, peers), R=len(ptrs),
         ON_GPU=residual.is_cuda, PEERS=peers, SPIN_LIMIT=spin_limit,
         num_warps=config.get("num_warps") or max(1, min(16, tx // 32)),
     )
@@ -431,7 +453,8 @@ def publish(partial, data, flags: list, epochs, rank: int) -> None:
         raise ValueError(f"rank {rank} of {len(flags)}, {t} tokens, capacity {cap}")
     _allreduce_norm_residual_norm_publish_kernel[(t,)](
         partial, data, epochs, *_padded(list(flags)), partial.stride(0), cap * h, cap, rank,
-        N=h, BLOCK=min(_COPY_BLOCK, triton.next_power_of_2(h)), R=len(flags), num_warps=4)
+        N=h, BLOCK=min(_COPY_BLOCK, triton.next_power_of_2(h)), R=len(flags),
+        ON_GPU=partial.is_cuda, num_warps=4)
 
 
 def boundary_peers(data: list, flags, epochs, status, residual, post_weight, next_weight,
