@@ -8,9 +8,20 @@
 rank's model and attaches the TP group (the one-shot boundary on NCCL, with its fallback), then
 calls `fn(ctx, *args)` on every rank with a `RankContext` (group, model, notes). This is the
 interface for a benchmark of the whole model under TP: `fn` times its step on every rank (the
-ranks' collectives pair up) and rank 0's result comes back; `measure` / `measure_graph` time a
-callable the same way on every rank, and `comm_floor` measures the cheapest exchange a boundary
-can make, so that a TP step's floor is the per-rank floor plus `step_comm_floor_us`.
+ranks' collectives pair up) and rank 0's result comes back; `model.tp_measure` times a callable
+the same way on every rank, and its `comm_floor` measures the cheapest exchange a boundary can
+make, so that a TP step's floor is the per-rank floor plus `step_comm_floor_us`:
+
+    def bench_rank(ctx, batches):             # module level: it is pickled to the ranks
+        rows = []
+        for b in batches:                     # every rank runs the same steps in the same order
+            step = ...                        # this rank's decode step over ctx.model
+            took = measure(step, ctx.group, warmup=2, repeats=10, inner=1)
+            comm = comm_floor(ctx.group, b, ctx.model.config.hidden_size,
+                              ctx.model.shard.vocab_size)
+            rows.append((b, took, step_comm_floor_us(comm, ctx.model.config.num_hidden_layers)))
+        return rows
+    rows = run_on_ranks(bench_rank, 8, RankModelSpec(config=cfg, kernels="tuned"), args=(bs,))
 
 Random weights are filled on the rank's device (the 52-layer TP8 rank of Beam is ~125 GB in BF16:
 no host fill, no checkpoint on disk). Replicated tensors (norms, router) are the same on every
