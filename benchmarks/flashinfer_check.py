@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from model.ops.attention import reference as attention_ref  # noqa: E402
-from model.serve.kv_cache import FULL, SWA, KVLayout, PagedKVCache  # noqa: E402
+from model.serve.engine.kv_cache import FULL, SWA, KVLayout, PagedKVCache  # noqa: E402
 from model.serve.paged_attention import PagedAttention  # noqa: E402
 from model.serve.runner import ModelRunner  # noqa: E402
 

@@ -170,7 +170,7 @@ def test_generate_flag_reaches_the_runner(demo: Path) -> None:
 
 
 def test_serve_flag_reaches_the_engine_config(monkeypatch, tmp_path) -> None:
-    import model.serve.api as api
+    import model.serve.http.server as api
 
     seen = []
     monkeypatch.setattr(api, "run_server", lambda opts, say: seen.append(opts))

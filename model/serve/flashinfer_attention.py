@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kv_cache import FULL, SWA, PagedKVCache
+from .engine.kv_cache import FULL, SWA, PagedKVCache
 
 BACKENDS = ("auto", "torch", "flashinfer")
 SUPPORTED_HEAD_DIMS = (64, 128, 256)

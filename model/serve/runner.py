@@ -17,8 +17,8 @@ from typing import Protocol
 import torch
 
 from ..beam import BeamForCausalLM
+from .engine.kv_cache import FULL, SWA, PagedKVCache
 from .flashinfer_attention import make_backend
-from .kv_cache import FULL, SWA, PagedKVCache
 from .paged_attention import DecodeMeta, PagedBatch, SeqKeys
 
 log = logging.getLogger(__name__)
