@@ -78,7 +78,7 @@ def test_gloo_tp8_matches_tp1(checkpoint, random_dir):
 
 def test_engine_tp8_greedy_equals_tp1(checkpoint):
     from model.serve.engine import LLMEngine
-    from model.serve.tp_worker import generate_tp
+    from model.serve.engine.tp_worker import generate_tp
 
     from .test_serve_tp import PARAMS, engine_config
     from .test_serve_tp import PROMPTS as SERVE_PROMPTS
