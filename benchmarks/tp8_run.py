@@ -292,8 +292,9 @@ def _stage_cmd(name: str, opts, out: Path, limit: float) -> list[str] | None:
         return [*bench, "--layers", layers, "--tokens", "1", "--batches", batches, "--kernels",
                 "reference", "--step-kernels", "reference" if opts.dry_run else "tuned",
                 "--no-graphs", "--steps", "5", "--out", str(out / "steps")]
-    if name == "serve":
-        return [*me, "--stage", "serve", "--out", str(out)]
+    if name == "serve":  # the child's own bound comes first: its generate process is no rank
+        return [*me, "--stage", "serve", "--budget", str(max(20, int(limit) - 10)), "--out",
+                str(out)]
     if name == "bench_model":
         return _bench_model_cmd(opts, out)
     raise ValueError(f"unknown stage {name!r}; stages: {STAGES}")
@@ -326,8 +327,13 @@ def stage_serve(opts) -> dict:
            str(path), "--prompt-ids", "7,100,200,300,9", "--max-tokens", "4", "--device", dev,
            "--dtype", dtype, "--json"]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=_env(),
-                          timeout=LIMITS["serve"] - 10)
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=_env(),
+                              timeout=opts.budget)
+    except subprocess.TimeoutExpired as exc:  # its ranks watch it and exit with it
+        proc = subprocess.CompletedProcess(cmd, "timeout", exc.stdout or "", exc.stderr or "")
+        proc.stdout = proc.stdout if isinstance(proc.stdout, str) else proc.stdout.decode()
+        proc.stderr = proc.stderr if isinstance(proc.stderr, str) else proc.stderr.decode()
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     out = {"tp": opts.tp, "layers": cfg.num_hidden_layers, "returncode": proc.returncode,
            "seconds": time.monotonic() - t0, "result": json.loads(lines[-1]) if lines else None,
@@ -360,6 +366,7 @@ def run_stage(name: str, opts, out: Path, left_s: float) -> dict:
                                   env=_env(), timeout=limit).returncode
         except subprocess.TimeoutExpired:
             code = "timeout"
+            time.sleep(5)  # its ranks notice their launcher is gone within a second or two
     took = time.monotonic() - t0
     print(f"== {name} exit {code} after {took:.0f} s", flush=True)
     return {"stage": name, "ran": True, "returncode": code, "seconds": took,
