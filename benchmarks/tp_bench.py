@@ -3,7 +3,7 @@
     python benchmarks/tp_bench.py --out $OUT                  # 2 GPUs, NCCL (spawns the 2 ranks)
     python benchmarks/tp_bench.py --tp 8 --layers 52 --out $OUT   # the TP8 deployment, 8 GPUs
     torchrun --nproc-per-node 2 benchmarks/tp_bench.py --out $OUT
-    python benchmarks/tp_bench.py --dry-run --out /tmp/tp     # CPU, gloo, tiny shapes (CI)
+    python benchmarks/tp_bench.py --dry-run --out DIR         # CPU, gloo, tiny shapes (CI)
 
 The model is Beam with random weights filled on each rank's device, sized so that each of the
 `--tp` ranks holds exactly one Beam TP8 rank's shard (hidden 5120, 6 query / 1 KV head, dense I
