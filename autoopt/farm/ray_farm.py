@@ -14,6 +14,7 @@ import the same autoopt as the head (`pip install autoopt[farm]` on every node).
 from __future__ import annotations
 
 import os
+import sys
 from concurrent.futures import Future
 from typing import Any
 
@@ -51,7 +52,12 @@ class RayFarm:
         self.gpu, self.address = gpu, address
         self.started = address == LOCAL
         if self.started:
-            os.environ.update(env.ray_local_environment())
+            wanted = env.ray_local_environment()
+            if "ray" in sys.modules and any(os.environ.get(k) != v for k, v in wanted.items()):
+                raise RuntimeError("--ray-address local must set Ray's loopback-only mode "
+                                   "before ray is imported, and ray is already imported in "
+                                   "this process")
+            os.environ.update(wanted)
         ray = import_ray()
         if ray.is_initialized():
             raise RuntimeError("Ray is already initialised in this process; one farm at a time")
