@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from autoopt.farm import EvalJob, FarmSpec, open_farm
+from autoopt.farm import EvalJob, FarmSpec
 from autoopt.farm.local import InlineFarm, LocalFarm
 from autoopt.farm.profile import format_profile, parse_csv
 
