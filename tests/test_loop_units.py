@@ -91,6 +91,16 @@ def test_gpu_winner_beyond_noise_is_accepted_and_locked(tmp_path, monkeypatch):
     assert list(configs["NVIDIA H200"].values())[0] == {"T=1": {"ROWS": 1}, "T=8": {"ROWS": 4}}
 
 
+def test_every_gpu_verdict_carries_its_per_shape_timings(tmp_path, monkeypatch):
+    _, ev = _gpu_evaluator(tmp_path, monkeypatch, cand_us=5.0)
+    text = ev.evaluate(_proposal()).to_text()
+    assert "speedup 2.000x (geometric mean over the shapes)" in text
+    for t in (1, 8):
+        assert (f"shape {{'T': {t}, 'I': 2560}}: 5.00 us +- 0.10 us (baseline reference "
+                "10.00 us, reference 10.00 us; 2.000x over the baseline, 50% of the floor's "
+                "speed)") in text
+
+
 def test_gpu_win_within_noise_is_not_registered(tmp_path, monkeypatch):
     # 3% faster but with 5% IQR: inside the noise, so not a win.
     ctx, ev = _gpu_evaluator(tmp_path, monkeypatch, cand_us=10.0 / 1.03, base_iqr=0.5)
