@@ -168,3 +168,24 @@ def test_profile_on_a_cpu_worker_is_a_plain_message(tmp_path):
     res = ProfileJob(op="swiglu", name="p", source="x = 1\n", shapes=({"T": 1, "I": 8},)
                      ).run("cpu")
     assert "no GPU" in res["message"] and format_profile(res) == res["message"]
+
+
+@pytest.mark.gpu
+def test_profile_candidate_on_a_gpu_reads_ncu_metrics():
+    from autoopt.agents.template import CATALOG
+    from autoopt.farm import ProfileJob
+    from autoopt.profiler.nsight import find_ncu
+
+    if find_ncu() is None:
+        pytest.skip("ncu is not installed on this GPU machine")
+    spec = CATALOG["swiglu"][0]
+    shapes = ({"T": 1, "I": 2560}, {"T": 64, "I": 2560})
+    res = ProfileJob(op="swiglu", name="swiglu_tiles", source=spec.render(), shapes=shapes,
+                     per_bucket={"T=1": spec.default(), "T=64": spec.default()}).run("cuda:0")
+    assert "kernels" in res, res.get("message")
+    assert {k["bucket"] for k in res["kernels"]} <= {"T=1", "T=64", None}
+    for k in res["kernels"]:
+        assert k["duration_us"] > 0 and k["registers"] > 0 and k["block"] > 0
+        assert k["dram_bytes"] and k["dram_bytes"] > 0 and k["occupancy_pct"] is not None
+    assert res["ceiling_gb_s"] > 1000  # an H200 copies at a few TB/s
+    assert "of the measured ceiling" in format_profile(res)
