@@ -271,3 +271,20 @@ def test_agents_declare_their_options_and_the_loop_passes_them_through():
 
     for mod in (loop, __import__("autoopt.loop_eval", fromlist=["x"])):
         assert '"template"' not in inspect.getsource(mod)
+
+
+def test_cli_agent_options_are_listed_and_checked_before_any_work(tmp_path):
+    from typer.testing import CliRunner
+
+    from autoopt.cli import app
+
+    res = CliRunner().invoke(app, ["optimize", "--agent-option", "help"])
+    assert res.exit_code == 0 and "trials=8" in res.output and "max_turns=40" in res.output
+    runs = tmp_path / "runs"
+    res = CliRunner().invoke(app, ["optimize", "--target", "cpu-tiny", "--agent", "template",
+                                   "--model", "claude-opus-5", "--runs-dir", str(runs)])
+    assert res.exit_code == 2 and "has no option 'model'" in res.output
+    res = CliRunner().invoke(app, ["optimize", "--target", "cpu-tiny", "--agent", "template",
+                                   "-O", "trials", "--runs-dir", str(runs)])
+    assert res.exit_code == 2 and "KEY=VALUE" in res.output
+    assert not runs.exists()
