@@ -408,7 +408,13 @@ def _sessions(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState,
                     say(f"{op}: not started, {max(0.0, end - now):.0f} s left of the sessions' "
                         "time")
                     continue
-                _one_op(args, agent, ctx, state, op, deadline, console, end, farm, ledger)
+                try:
+                    _one_op(args, agent, ctx, state, op, deadline, console, end, farm, ledger)
+                except Exception as e:  # noqa: BLE001 - one op's failure must not end the run
+                    if slots == 1:
+                        raise
+                    state.update_op(op, status="error", stop_reason=f"{type(e).__name__}: {e}")
+                    say(f"{op}: failed: {type(e).__name__}: {e}")
 
         if slots == 1:
             serve()
