@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Named GPU stages in one bounded call on a CUDA machine without network access: each stage runs
+# under its own time limit, logs to its own file, and never stops the stages after it; every
+# result lands in one directory that is packed into at most a few tarballs under $OUT.
+#
+#   OUT=DIR bash benchmarks/gpu_suite.sh STAGE[=SECONDS] ...
+#   (run it from the repository root; `bash benchmarks/gpu_suite.sh list` prints the stages)
+#
+# Packages the machine lacks travel as wheels: .whl/*.whl (small ones), .whl-fi/*.whl
+# (FlashInfer) are installed into a scratch site directory first. nvidia-cutlass-dsl is too large
+# for one transfer: `dsl-stash` keeps the parts carried in .dsl/ in a scratch directory that a
+# machine keeps for a short while after a call, and `dsl` joins them with the parts of the next
+# call and unpacks the DSL (parts made with `tar | xz | split` from a `pip install --target`).
+# NVLink multicast stays off for every stage (NCCL, PyTorch symmetric memory, NVSHMEM).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+SCRATCH=${TMPDIR:-/tmp}/autoopt-gpu-suite
+DSL_PARTS=$SCRATCH/dsl-parts
+R=$SCRATCH/results
+mkdir -p "$SCRATCH" "$DSL_PARTS"
+rm -rf "$R" && mkdir -p "$R"
+export AUTOOPT_CACHE=$R/cache
+
+declare -A STAGES=(
+  [machine]="nvidia-smi; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'; git log -1 --format=%H 2>/dev/null || true"
+  [tests]="python3 -m pytest -q -m gpu -p no:cacheprovider --durations=20 \${GPU_TESTS:-tests/}"
+  [kernels]="python3 benchmarks/gpu_kernels.py --out \$R/kernels \${KERNELS_ARGS:-}"
+  [moe]="python3 benchmarks/moe_gpu.py --out \$R/moe \${MOE_ARGS:-}"
+  [router]="python3 benchmarks/router_cute_gpu.py --out \$R/router \${ROUTER_ARGS:-}"
+  [attention]="python3 benchmarks/attention_gpu.py --out \$R/attention \${ATTENTION_ARGS:-}"
+  [eval]="python3 benchmarks/eval_harness_gpu.py --out \$R/eval \${EVAL_ARGS:-}"
+  [bench-model]="python3 benchmarks/gpu_profile.py --out \$R/bench-model \${PROFILE_ARGS:-}"
+  [agents]="python3 benchmarks/agents_gpu.py --out \$R/agents"
+  [batch-invariant]="python3 benchmarks/batch_invariant_bench.py --out \$R/batch-invariant \${BI_ARGS:-}"
+  [tp]="python3 benchmarks/tp8_run.py --gpus \$(nvidia-smi -L | wc -l) --out \$R/tp \${TP_ARGS:-}"
+  [optimize]="python3 -m pip install -q --no-index --no-build-isolation --no-deps -e . && cd \$R && t0=\$(date +%s) && autoopt optimize \${OPTIMIZE_ARGS:---budget 5m}; echo \"wall \$((\$(date +%s) - t0)) s\""
+  [dsl-stash]="cp .dsl/part-* \$DSL_PARTS/ && ls -la \$DSL_PARTS"
+  [dsl]="cp .dsl/part-* \$DSL_PARTS/ 2>/dev/null; mkdir -p \$SCRATCH/dsl && cat \$DSL_PARTS/part-* | xz -d | tar -x -C \$SCRATCH/dsl && python3 -c 'import cutlass, cutlass.cute; print(\"cutlass-dsl imports\")'"
+)
+
+if [ "${1:-}" = list ]; then
+  for s in "${!STAGES[@]}"; do echo "$s: ${STAGES[$s]}"; done | sort
+  exit 0
+fi
+: "${OUT:?set OUT to the directory results are written to}"
+
+SITE=$SCRATCH/site
+for dir in .whl .whl-fi; do
+  if ls "$dir"/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$SITE" "$dir"/*.whl || echo "installing $dir failed"
+  fi
+done
+export PYTHONPATH=$SITE:$SCRATCH/dsl:$SCRATCH/dsl/nvidia_cutlass_dsl/dsl_packages:$PWD
+
+run_stage() {  # run_stage NAME SECONDS: bounded, logged, never fatal
+  local name=$1 secs=$2 cmd=${STAGES[$1]:-}
+  if [ -z "$cmd" ]; then echo "== unknown stage $name (bash $0 list)"; return; fi
+  echo "== $name (limit ${secs}s) $(date +%T)"
+  (cd "$PWD" && timeout --kill-after=15 "$secs" bash -c "$cmd") > "$R/$name.log" 2>&1
+  echo "== $name exit $? $(date +%T)"
+  tail -n "${TAIL_LINES:-30}" "$R/$name.log"
+}
+
+export R SCRATCH DSL_PARTS
+for spec in "$@"; do
+  name=${spec%%=*}
+  secs=${spec#*=}
+  [ "$secs" = "$spec" ] && secs=300
+  run_stage "$name" "$secs"
+done
+
+# At most 8 files come back, 16 MiB each: pack the results, splitting what is larger.
+rm -rf "$R/cache"
+(cd "$R/.." && tar -czf "$OUT/results.tar.gz" results) && \
+  if [ "$(stat -c %s "$OUT/results.tar.gz")" -gt 15000000 ]; then
+    split -b 15000000 "$OUT/results.tar.gz" "$OUT/results.tar.gz.part-" && rm "$OUT/results.tar.gz"
+  fi
+ls -la "$OUT"
