@@ -21,8 +21,8 @@ def register(app: typer.Typer) -> None:
 
 
 # ---- serving (issue 3) -------------------------------------------------------------------------
-ATTENTION_HELP = ("auto (FlashInfer on a GPU where it is installed, else torch), torch or "
-                  "flashinfer (default: auto).")
+ATTENTION_HELP = ("which variant of the registry's attention op serves: auto (the lock's, "
+                  "default), torch (the reference), triton, flashinfer (GPU), or a variant name.")
 
 @dataclass(frozen=True)
 class GenerateArgs:

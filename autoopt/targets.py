@@ -25,9 +25,9 @@ _TOP_KEYS = {"name", "description", "model", "phase", "batch_sizes", "contexts",
              "hardware", "parallel"}
 _HW_KEYS = {"gpu", "arch", "hbm_tb_s", "bf16_tflop_s", "fp32_tflop_s", "memory_gb"}
 _PAR_KEYS = {"tp", "ep"}
-# Named model regions that are not op contracts (model.beam wraps them in `region(...)`), plus
-# the KV write of the profiling workload.
-REGIONS = ("embed", "rope_tables", "o_proj", "dense_gate_up", "dense_down", "lm_head", "kv_write")
+# Named model regions that are not op contracts (model.beam wraps them in `region(...)`). The KV
+# cache write is part of the Q/K norm ops.
+REGIONS = ("embed", "rope_tables", "o_proj", "dense_gate_up", "dense_down", "lm_head")
 
 
 class TargetError(ValueError):
@@ -133,7 +133,6 @@ class Target:
         cfg, shard = self.config(layers), self.shard
         ctx = context or self.contexts[0]
         t = self.tokens(batch, ctx)
-        per_seq = 1 if self.phase == "decode" else ctx
         n, n_slide = cfg.num_hidden_layers, cfg.num_sliding_layers
         n_dense = sum(m == "dense" for m in cfg.mlp_layer_types)
         calls: list[OpCall] = []
@@ -155,16 +154,13 @@ class Target:
         op("qkv_gate_proj", n)
         op("qk_norm_rope", n_slide)
         op("qk_norm_ssmax", n - n_slide)
-        if self.phase == "decode":  # the new token's K and V into each layer's cache
-            kv = {"T": t, "Hkv": shard.num_key_value_heads, "D": cfg.head_dim}
-            calls.append(OpCall("kv_write", kv, n, Cost(bytes=2 * 2 * 2 * t * kv["Hkv"] * kv["D"])))
         full_i = next((i for i in range(n) if cfg.window(i) is None), None)
         slide_i = next((i for i in range(n) if cfg.window(i) is not None), None)
-        keys = ctx if self.phase == "decode" else None
+        # One attention call per layer over every sequence's pages (decode: one query each).
         if slide_i is not None:
-            op("attention", n_slide * batch, tokens=per_seq, context=keys, layer=slide_i)
+            op("attention", n_slide, context=ctx, layer=slide_i, seqs=batch)
         if full_i is not None:
-            op("attention", (n - n_slide) * batch, tokens=per_seq, context=keys, layer=full_i)
+            op("attention", n - n_slide, context=ctx, layer=full_i, seqs=batch)
         op("attn_output_gate", n)
         gemm("o_proj", n, hq_d, h)
         op("norm_residual_norm", 2 * n)

@@ -1,6 +1,7 @@
 """The pieces CUDA-graph decode is made of, checked on the CPU: the capture-safe grouped MoE
-against the `moe_experts` reference, batched decode attention against the `attention` reference,
-and the padded static-buffer decode forward (what a graph replays) against eager decode."""
+against the `moe_experts` reference, the attention reference's decode form against its
+per-sequence form, and the padded static-buffer decode forward (what a graph replays) against
+eager decode."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import torch
 
 from model.demo import write_demo_checkpoint
 from model.ops import moe_experts
+from model.ops.attention import eager_attention
 from model.ops.attention import reference as attention_ref
 from model.serve.engine import EngineConfig, LLMEngine, SamplingParams
 from model.serve.graphs import DecodeGraphs, batch_buckets, grouped_moe_experts
-from model.serve.paged_attention import decode_attention
 
 
 @pytest.fixture
@@ -37,7 +38,9 @@ def test_grouped_moe_matches_reference(tokens: int, dtype: torch.dtype, offset: 
 
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_matches_the_reference(gen, window: int, dtype: torch.dtype) -> None:
+def test_decode_rows_match_per_sequence_attention(gen, window: int, dtype: torch.dtype) -> None:
+    # The attention reference's capture-safe form (one padded page-table row per query) against
+    # its per-sequence form over exactly the visible keys.
     page, hq, hkv, d, n_pages = 4, 4, 2, 16, 20
     k_pages = torch.randn(n_pages, page, hkv, d, generator=gen).to(dtype)
     v_pages = torch.randn(n_pages, page, hkv, d, generator=gen).to(dtype)
@@ -50,12 +53,14 @@ def test_decode_attention_matches_the_reference(gen, window: int, dtype: torch.d
         used += need
     q = torch.randn(len(lengths), hq, d, generator=gen).to(dtype)
     q_pos = torch.tensor([n - 1 for n in lengths])
-    out = decode_attention(q, k_pages, v_pages, torch.tensor(tables), 0, q_pos, window, d**-0.5)
+    args = (q, k_pages, v_pages, torch.tensor(tables), torch.zeros(3, dtype=torch.long),
+            torch.arange(3), q_pos, window, d**-0.5)
+    out = attention_ref(*args)
     for b, n in enumerate(lengths):
         pages = torch.tensor(tables[b][: -(-n // page)])
         k = k_pages[pages].reshape(-1, hkv, d)[:n]
         v = v_pages[pages].reshape(-1, hkv, d)[:n]
-        ref = attention_ref(q[b:b + 1], k, v, q_pos[b:b + 1], torch.arange(n), window, d**-0.5)
+        ref = eager_attention(q[b:b + 1], k, v, q_pos[b:b + 1], torch.arange(n), window, d**-0.5)
         # Masked padding keys add exact zeros; only the summation length differs.
         torch.testing.assert_close(out[b:b + 1], ref, atol=1e-5 if dtype == torch.float32
                                    else 1e-2, rtol=1e-3)

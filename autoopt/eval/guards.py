@@ -298,6 +298,15 @@ def storage_range(t: Any) -> tuple[int, int]:
     return s.data_ptr(), s.data_ptr() + s.nbytes()
 
 
+def same_tensor(a: Any, b: Any) -> bool:
+    """Whether `a` is the tensor `b` (same storage, offset, shape and strides)."""
+    import torch
+
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+            and a.stride() == b.stride() and a.device == b.device)
+
+
 def aliased(outs: tuple, inputs: tuple) -> list[tuple[int, int]]:
     """(output index, input index) pairs whose storages overlap."""
     import torch

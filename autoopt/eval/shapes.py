@@ -38,11 +38,16 @@ def cpu_shapes(op: str, tokens: Sequence[int] = CPU_TOKENS) -> list[dict[str, in
         raise ValueError(f"no default CPU shapes for op {op!r}; known: {', '.join(_CPU_DIMS)}")
     dims = _CPU_DIMS[op]
     if op == "attention":
-        # Decode against a longer context and a prefill chunk, full and sliding-window.
+        # Decode rows (one query per sequence) against longer contexts, and prefill chunks of
+        # a few sequences; full and sliding-window; pages of 4 so rows cross page edges.
         out = []
         for i, t in enumerate(tokens):
-            out.append({"T": t, "S": max(t, 37 + t), "W": 16 if i % 2 else 0, **dims})
+            b = t if i % 2 == 0 else max(1, t // 8)
+            out.append({"T": t, "B": b, "S": 37 + -(-t // b), "W": 16 if i % 2 else 0,
+                        "page": 4, **dims})
         return out
+    if op in ("qk_norm_rope", "qk_norm_ssmax"):
+        return [{"T": t, "page": 4, **dims} for t in tokens]
     if op == "allreduce_norm_residual_norm":
         # Two ranks (a rounded pair sum) and more (where the per-step rounding near miss shows).
         return [{"R": (2, 3, 8)[i % 3], "T": t, **dims} for i, t in enumerate(tokens)]

@@ -223,9 +223,18 @@ class TrialRunner:
                         not bool(bits_equal(r, r.flatten()[0].expand_as(r)).all()):
                     self.findings.add("constant", f"output {i} is constant "
                                                   f"({float(oc.flatten()[0])}) {where}")
+        inplace = {i: self.names.index(n) for i, n in self.c.inplace.items() if n in self.names}
+        for i, j in inplace.items():
+            if not guards.same_tensor(outs[i], args[j]):
+                self.findings.add("in_place", f"output {i} must be input {self._name(j)} "
+                                              f"updated in place (the op's INPLACE) {where}")
         for i, j in guards.aliased(outs, args):
-            self.findings.add("aliasing", f"output {i} aliases input {self._name(j)} {where}")
+            if inplace.get(i) != j:
+                self.findings.add("aliasing", f"output {i} aliases input {self._name(j)} "
+                                              f"{where}")
         for j, (a, b) in enumerate(zip(args, pristine, strict=True)):
+            if j in inplace.values():
+                continue  # an in-place output: compared with the reference's as an output
             if isinstance(a, torch.Tensor) and not bool(bits_equal(a, b).all()):
                 self.findings.add("mutation", f"mutated input {self._name(j)} {where}")
 

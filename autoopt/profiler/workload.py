@@ -29,13 +29,16 @@ _GIB = 1 << 30
 
 
 class StaticKVAttention:
-    """Decode attention over a pre-filled cache: one query per sequence at position context-1.
+    """Decode attention over a pre-filled paged cache: one query per sequence at position
+    context-1.
 
     Full-attention layers hold `context` keys per sequence, sliding layers the last `window`
-    (all they can see). The new token's K/V go into the last slot (a cache append) and every
-    sequence attends through the `attention` op, one call per sequence as the op's signature
-    takes one sequence.
+    (all they can see), each sequence in its own pages of 16. The Q/K norm op writes the new
+    token's K/V into its slot (the last key), and one `attention` call per layer reads them, as
+    the serving runtime's paged backend does.
     """
+
+    PAGE = 16
 
     def __init__(self, model: BeamForCausalLM, batch: int, context: int,
                  gen: torch.Generator) -> None:
@@ -43,25 +46,28 @@ class StaticKVAttention:
         # The op table, not the model: a model <-> backend cycle would keep ~125 GB alive until
         # the garbage collector happens to run.
         self.ops, self.batch = model.ops, batch
-        dev, dt = model.device, model.dtype
-        self.q_pos = torch.full((1,), context - 1, dtype=torch.long, device=dev)
-        self.k, self.v, self.k_pos = [], [], []
+        dev, dt, page = model.device, model.dtype, self.PAGE
+        self.q_seq = torch.arange(batch, device=dev)
+        self.q_pos = torch.full((batch,), context - 1, dtype=torch.long, device=dev)
+        self.k, self.v, self.meta = [], [], []
         for i in range(cfg.num_hidden_layers):
             keys = min(context, cfg.window(i) or context)
-            shape = (batch, keys, shard.num_key_value_heads, cfg.head_dim)
+            per_seq = -(-keys // page)
+            shape = (1 + batch * per_seq, page, shard.num_key_value_heads, cfg.head_dim)
             self.k.append(torch.empty(shape, dtype=dt, device=dev).normal_(generator=gen))
             self.v.append(torch.empty(shape, dtype=dt, device=dev).normal_(generator=gen))
-            self.k_pos.append(torch.arange(context - keys, context, device=dev))
+            table = 1 + torch.arange(batch * per_seq, device=dev).view(batch, per_seq)
+            base = torch.full((batch,), context - keys, dtype=torch.long, device=dev)
+            slots = table[:, (keys - 1) // page] * page + (keys - 1) % page
+            self.meta.append((table, base, slots))
 
-    def __call__(self, layer, q, k, v, window, scale, batch) -> torch.Tensor:
-        # q: [B, Hq, D], k/v: [B, Hkv, D]: one token per sequence.
-        with region("kv_write"):
-            self.k[layer][:, -1] = k
-            self.v[layer][:, -1] = v
-        ops = self.ops
-        outs = [ops.attention(q[b:b + 1], self.k[layer][b], self.v[layer][b], self.q_pos,
-                              self.k_pos[layer], window, scale) for b in range(self.batch)]
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+    def kv_cache(self, layer, v, batch):
+        return self.k[layer], self.v[layer], self.meta[layer][2]
+
+    def __call__(self, layer, q, window, scale, batch) -> torch.Tensor:
+        table, base, _ = self.meta[layer]
+        return self.ops.attention(q, self.k[layer], self.v[layer], table, base, self.q_seq,
+                                  self.q_pos, window, scale)
 
 
 @dataclass

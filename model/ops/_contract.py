@@ -2,8 +2,11 @@
 
 An op module (`model/ops/<op>.py`) exposes module-level names that `OpContract.from_module`
 collects: `NAME`, `reference`, `make_inputs`, `AXES`, `NUMERICS`, `cost`, `SIGNATURE` and
-`shapes_for` (the shapes a config/target gives the op). The model, the verifier, the benchmarks
-and the agents all read the same module, so there is exactly one reference per operation.
+`shapes_for` (the shapes a config/target gives the op), and optionally `INPLACE` (outputs that
+are inputs updated in place, such as the KV cache the Q/K norm ops write: output index -> the
+argument's name; the verifier compares them as outputs and requires them to be those inputs).
+The model, the verifier, the benchmarks and the agents all read the same module, so there is
+exactly one reference per operation.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class OpContract:
     signature: str
     shapes_for: Callable[..., dict[str, int]]
     module: ModuleType
+    inplace: Mapping[int, str] = field(default_factory=dict)
 
     @property
     def token_dim(self) -> int:
@@ -84,6 +88,7 @@ class OpContract:
             signature=module.SIGNATURE,
             shapes_for=module.shapes_for,
             module=module,
+            inplace=dict(getattr(module, "INPLACE", {})),
         )
 
 

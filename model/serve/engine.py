@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..beam import Batch, BeamForCausalLM, CausalAttention
+from . import attention_backends
 from .kv_cache import KVLayout, PagedKVCache
 from .outputs import CompletionResult, EngineStats, RequestOutput, RequestState
 from .runner import ModelRunner
@@ -47,7 +48,9 @@ class EngineConfig:
     seed: int = 0
     tp: int = 1  # tensor-parallel ranks (model/serve/tp_worker.py starts them)
     ep: int = 1  # expert parallelism: 1 (experts split by TP) or tp (experts split across ranks)
-    attention_backend: str = "auto"  # auto | torch | flashinfer (model/serve/flashinfer_attention)
+    # The attention op's variant: auto (the lock) | torch | triton | flashinfer | a variant name
+    # (model/serve/attention_backends.py).
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -55,9 +58,7 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
-        if self.attention_backend not in ("auto", "torch", "flashinfer"):
-            raise ValueError(f"attention_backend {self.attention_backend!r} is not one of "
-                             "auto, torch, flashinfer")
+        attention_backends.check_name(self.attention_backend)
         if self.ep not in (1, self.tp):
             raise ValueError(f"ep={self.ep} must be 1 (experts split by TP) or equal to "
                              f"tp={self.tp} (experts split across the ranks)")

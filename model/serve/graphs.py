@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from ..ops import OP_NAMES, OpTable
 from ..ops.moe_experts import combine
 from ..ops.swiglu import reference as swiglu
-from .paged_attention import DecodeMeta, PagedBatch
+from .kv_cache import FULL, SWA
+from .paged_attention import PagedBatch, PoolMeta
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,8 @@ class DecodeGraphs:
         self.full_table = torch.zeros(b, self.full_width, dtype=torch.long, device=dev)
         self.swa_table = torch.zeros(b, self.swa_width, dtype=torch.long, device=dev)
         self.swa_base = torch.zeros(b, dtype=torch.long, device=dev)
+        self.full_base = torch.zeros(b, dtype=torch.long, device=dev)  # stays 0
+        self.q_seq = torch.arange(b, dtype=torch.long, device=dev)  # row r is sequence r
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.ready = False
@@ -105,16 +108,15 @@ class DecodeGraphs:
 
     def forward(self, b: int) -> torch.Tensor:
         """The decode forward over the first b static rows -> FP32 logits [b, V]."""
-        meta = DecodeMeta(self.full_table[:b], self.swa_table[:b], self.swa_base[:b])
-        batch = PagedBatch(self.positions[:b], [(i, i + 1) for i in range(b)],
-                           self.full_write[:b], self.swa_write[:b], b, meta, ())
+        pools = {FULL: PoolMeta(self.full_table[:b], self.full_base[:b], self.full_write[:b]),
+                 SWA: PoolMeta(self.swa_table[:b], self.swa_base[:b], self.swa_write[:b])}
+        batch = PagedBatch(self.positions[:b], [(i, i + 1) for i in range(b)], self.q_seq[:b],
+                           pools, b)
         model = self.runner.model
         return model.compute_logits(model.forward_tokens(self.ids[:b], self.positions[:b], batch))
 
     def load(self, chunks: Sequence) -> int:
         """Copy the step's inputs into the static buffers; padded rows use page 0 only."""
-        from .kv_cache import FULL, SWA
-
         n, b = len(chunks), self.bucket(len(chunks))
         cache = self.runner.cache
         full, swa, base = self.runner.decode_meta(chunks, self.full_width, self.swa_width)
