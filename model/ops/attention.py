@@ -174,12 +174,20 @@ def _fp32_scores(*args):
 NUMERICS = Numerics(
     kind="ulp",
     max_ulp=2,
-    max_mismatch_fraction=0.05,
+    max_mismatch_fraction=0.02,
     near_misses={"fp32_probs": _fp32_probs, "fp32_scores": _fp32_scores},
-    note=("A kernel that keeps the eager rounding points (BF16 scores, BF16-scaled scores, "
-          "FP32 softmax rounded to BF16, BF16 P.V) differs from the reference only by reduction "
-          "order (q.k over D, the softmax sum, P.V over the keys); one that keeps FP32 "
-          "probabilities or scores (flash numerics, FlashInfer) is closer to a near miss."),
+    note=("Rounding points a kernel must keep (kernels/attention/triton_v1.py keeps all of "
+          "them): (1) scores bf(q.k) with FP32 accumulation; (2) the scale applied to the BF16 "
+          "score in FP32 and rounded, bf(f32(s) * scale); (3) masked keys contribute exactly "
+          "nothing (the additive finfo.min mask; a kernel may skip them); (4) FP32 softmax over "
+          "the BF16 scaled scores (exact max, expf, IEEE divide) rounded to BF16; (5) P.V with "
+          "BF16 operands, FP32 accumulation and one rounding. Only reduction orders may differ "
+          "(q.k over D, the softmax sum, P.V over the keys): a flipped BF16 score or "
+          "probability moves an output by an ulp or two, so at most 2 ulp on at most 2% of "
+          "outputs (bitwise under the CPU interpreter; the GPU bound is measured by "
+          "benchmarks/attention_gpu.py). A kernel that keeps FP32 scores or probabilities "
+          "(flash numerics, FlashInfer) changes ~40% of outputs and is closer to a near miss: "
+          "the tuned set stays at transformers' eager rounding points."),
 )
 
 
