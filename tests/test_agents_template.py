@@ -18,7 +18,7 @@ from autoopt.agents.template import CATALOG, HEADER_MARK, TemplateAgent
 from model.ops import CONTRACTS
 
 REQUIRED = {"rmsnorm", "norm_residual_norm", "attn_output_gate", "swiglu", "logit_softcap",
-            "qk_norm_rope", "qk_norm_ssmax"}
+            "qk_norm_rope", "qk_norm_ssmax", "attention", "qkv_gate_proj"}
 
 
 def test_catalog_covers_the_profiled_elementwise_and_norm_ops():
