@@ -2,8 +2,9 @@
 
 Each command imports its implementation lazily, so `autoopt --help` stays fast and a command's
 dependencies (uvicorn, optuna, triton) load only when it runs. The serving commands live in
-`cli_serve.py` and the optimize/review commands in `cli_optimize.py`; each has a `register(app)`
-called here at the point that keeps `autoopt --help` in its order.
+`cli_serve.py`, optimize in `cli_optimize.py` and the registry/review sub-app in
+`cli_registry.py`; each has a `register(app)` called here at the point that keeps
+`autoopt --help` in its order.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
-from . import __version__, cli_optimize, cli_serve
+from . import __version__, cli_optimize, cli_registry, cli_serve
+from .console import make_console
 
 app = typer.Typer(
     help="Agents write, verify and tune fused GPU kernels for Beam-1.0, and serve it.",
@@ -22,7 +23,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_show_locals=False,
 )
-console = Console()
+console = make_console()
 
 
 def _version(value: bool) -> None:
@@ -98,8 +99,13 @@ def targets(
 ) -> None:
     """List the optimization targets (tasks/*.toml), or show one target's op shapes."""
     from .profiler.report import targets_command
+    from .targets import TargetError
 
-    targets_command(TargetsArgs(name, batch), console)
+    try:
+        targets_command(TargetsArgs(name, batch), console)
+    except TargetError as exc:
+        make_console(stderr=True).print(f"[red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from None
 
 
 @dataclass(frozen=True)
@@ -173,7 +179,7 @@ def verify(
     try:
         code = verify_command(args, console)
     except (ValueError, FileNotFoundError) as exc:
-        Console(stderr=True).print(f"[red]error:[/] {exc}")
+        make_console(stderr=True).print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
     raise typer.Exit(code)
 
@@ -201,86 +207,14 @@ def bench(
     try:
         code = bench_command(args, console)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        Console(stderr=True).print(f"[red]error:[/] {exc}")
+        make_console(stderr=True).print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
     raise typer.Exit(code)
 
 
-# ---- registry (issue 4b) ------------------------------------------------------------------------
-registry_app = typer.Typer(help="The kernel registry: variants, records, tuned configs, the lock.",
-                           no_args_is_help=True)
-app.add_typer(registry_app, name="registry")
-_REGISTRY_DIR = typer.Option(None, "--registry",
-                             help="Registry directory (default: $AUTOOPT_REGISTRY or kernels/).")
-
-
-def _registry(command: str, **fields) -> None:
-    from .registry_cmd import RegistryArgs, run_registry
-
-    code = run_registry(command, RegistryArgs(**fields), console)
-    if code:
-        raise typer.Exit(code)
-
-
-@registry_app.command("list")
-def registry_list(
-    registry: Path = _REGISTRY_DIR,
-    op: str = typer.Option(None, "--op", help="Only this op."),
-) -> None:
-    """Every variant: status, file check (exit 1 if a recorded file changed), lock, speed-up."""
-    _registry("list", root=registry, op=op)
-
-
-@registry_app.command("show")
-def registry_show(
-    op: str = typer.Argument(..., help="Op name, e.g. rmsnorm."),
-    variant: str = typer.Argument(..., help="Variant name, e.g. triton_v1."),
-    registry: Path = _REGISTRY_DIR,
-    as_json: bool = typer.Option(False, "--json", help="Print the record as JSON."),
-) -> None:
-    """One variant's record: provenance, verification, benchmarks, tuned configs."""
-    _registry("show", root=registry, op=op, variant=variant, as_json=as_json)
-
-
-@registry_app.command("diff")
-def registry_diff(
-    op: str = typer.Argument(..., help="Op name."),
-    a: str = typer.Argument(..., help="First variant."),
-    b: str = typer.Argument(..., help="Second variant."),
-    registry: Path = _REGISTRY_DIR,
-) -> None:
-    """Source diff of two variants of one op, with their evidence side by side."""
-    _registry("diff", root=registry, op=op, variant=a, other=b)
-
-
-@registry_app.command("lock")
-def registry_lock(
-    registry: Path = _REGISTRY_DIR,
-    arch: str = typer.Option(None, help="Arch section, e.g. sm_90 (default: this machine's)."),
-    op: str = typer.Option(None, "--op", help="Op to select a variant for."),
-    variant: str = typer.Option(None, "--variant", help="Accepted variant to lock for --op."),
-    unset: bool = typer.Option(False, "--unset", help="Remove --op from the arch section."),
-    lock_file: Path = typer.Option(None, "--file", help="Lock file (default: the registry's)."),
-) -> None:
-    """Show the lock (exit 1 if an entry is not an accepted, unmodified variant), or edit it."""
-    _registry("lock", root=registry, arch=arch, op=op, variant=variant, unset=unset,
-              lock_file=lock_file)
-
-
-@registry_app.command("set-status")
-def registry_set_status(
-    op: str = typer.Argument(..., help="Op name."),
-    variant: str = typer.Argument(..., help="Variant name."),
-    status: str = typer.Argument(..., help="candidate, accepted or rejected."),
-    reason: str = typer.Option("", help="Why (kept in the record)."),
-    registry: Path = _REGISTRY_DIR,
-) -> None:
-    """Set a recorded variant's status (only accepted variants can be locked)."""
-    _registry("set-status", root=registry, op=op, variant=variant, status=status, reason=reason)
-
-
-# ---- optimize & review (issue 6): optimize, the review sub-app live in cli_optimize.py ------
+# ---- optimize (cli_optimize.py), the registry and its `review` alias (cli_registry.py) ----------
 cli_optimize.register(app)
+cli_registry.register(app)
 
 
 if __name__ == "__main__":  # `python -m autoopt.cli`, e.g. under torchrun (issue 7)

@@ -1,4 +1,4 @@
-"""`autoopt optimize` and the `autoopt review` sub-app: the agent loop's flags (issue 6).
+"""`autoopt optimize`: the agent loop's flags (issue 6).
 
 Registered on the app by `autoopt/cli.py` through `register`, which keeps the `--help` order.
 """
@@ -8,20 +8,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
-console = Console()
+from .console import make_console
+
+console = make_console()
 
 
 def register(app: typer.Typer) -> None:
-    """Add the `optimize` command and the `review` sub-app to `app`, in that order."""
+    """Add the `optimize` command to `app`."""
     app.command()(optimize)
-    app.add_typer(review_app, name="review")
 
 
-# ---- optimize & review (issue 6) ----------------------------------------------------------------
+# ---- optimize (issue 6) ----------------------------------------------------------------
 def _fail(exc: BaseException, code: int = 2) -> typer.Exit:
-    Console(stderr=True).print(f"[red]error:[/] {exc}")
+    make_console(stderr=True).print(f"[red]error:[/] {exc}")
     return typer.Exit(code)
 
 
@@ -97,82 +97,4 @@ def optimize(
             max_tokens=max_tokens, budget_usd=budget_usd)
         run_optimize(args, console)
     except (TargetError, MissingKeyError, ValueError, FileNotFoundError, RuntimeError) as exc:
-        raise _fail(exc) from None
-
-
-review_app = typer.Typer(help="Read agent-produced variants with their evidence; accept or "
-                         "reject them.", no_args_is_help=True)
-_REVIEW_REGISTRY = typer.Option(None, "--registry", help="Registry DIR (default: kernels/).")
-
-
-def _review_registry(registry: Path | None):
-    from model.registry import Registry
-
-    from . import env
-
-    return Registry(registry or env.registry_dir())
-
-
-@review_app.command("list")
-def review_list(
-    registry: Path = _REVIEW_REGISTRY,
-    status: str = typer.Option("candidate", help="candidate (pending), accepted or rejected."),
-) -> None:
-    """Pending candidates: op, variant, agent, speedup, verdict."""
-    from .review import print_list
-
-    print_list(_review_registry(registry), console, status)
-
-
-@review_app.command("show")
-def review_show(
-    op: str = typer.Argument(..., help="Op name."),
-    variant: str = typer.Argument(..., help="Variant name."),
-    registry: Path = _REVIEW_REGISTRY,
-    arch: str = typer.Option(None, help="Diff against the variant locked for this arch."),
-) -> None:
-    """Source, diff against the selection (or reference), verification, timings, profile."""
-    from model.registry import RegistryError
-
-    from .review import print_show
-
-    try:
-        print_show(_review_registry(registry), console, op, variant, arch)
-    except RegistryError as exc:
-        raise _fail(exc) from None
-
-
-@review_app.command("accept")
-def review_accept(
-    op: str = typer.Argument(..., help="Op name."),
-    variant: str = typer.Argument(..., help="Variant name."),
-    arch: str = typer.Option(None, help="Lock section, e.g. sm_90 (default: the record's)."),
-    registry: Path = _REVIEW_REGISTRY,
-) -> None:
-    """Accept a variant: status accepted and selected in the lock for the arch."""
-    from model.registry import RegistryError
-
-    from .review import accept
-
-    try:
-        console.print(accept(_review_registry(registry), op, variant, arch))
-    except RegistryError as exc:
-        raise _fail(exc) from None
-
-
-@review_app.command("reject")
-def review_reject(
-    op: str = typer.Argument(..., help="Op name."),
-    variant: str = typer.Argument(..., help="Variant name."),
-    why: str = typer.Option(..., "--why", help="What is wrong with it (kept in the record)."),
-    registry: Path = _REVIEW_REGISTRY,
-) -> None:
-    """Reject a variant with a reason (recorded; removed from the lock if locked)."""
-    from model.registry import RegistryError
-
-    from .review import reject
-
-    try:
-        console.print(reject(_review_registry(registry), op, variant, why))
-    except RegistryError as exc:
         raise _fail(exc) from None

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
-console = Console()
+from .console import make_console
+
+console = make_console()
 
 
 def register(app: typer.Typer) -> None:
@@ -23,6 +24,15 @@ def register(app: typer.Typer) -> None:
 # ---- serving (issue 3) -------------------------------------------------------------------------
 ATTENTION_HELP = ("which variant of the registry's attention op serves: auto (the lock's, "
                   "default), torch (the reference), triton, flashinfer (GPU), or a variant name.")
+REGISTRY_HELP = ("Registry DIR the kernels and their lock come from (default: $AUTOOPT_REGISTRY, "
+                 "the checkout's kernels/, or your per-user registry, else the shipped one).")
+
+
+def registry_root(registry: Path | None) -> str:
+    """The registry the runtime reads (defined in autoopt/env.py), as a path for the engine."""
+    from . import env
+
+    return str(env.open_registry(registry).root)
 
 @dataclass(frozen=True)
 class GenerateArgs:
@@ -43,6 +53,7 @@ class GenerateArgs:
     tp: int | None = None  # issue 7
     ep: int | None = None
     attention_backend: str | None = None
+    registry: str | None = None
 
 
 def generate(
@@ -65,11 +76,12 @@ def generate(
                            "(NCCL), or N CPU processes (gloo)."),
     ep: int = typer.Option(None, "--ep", help="Expert parallelism: 1 (default) or the --tp value."),
     attention_backend: str = typer.Option(None, "--attention-backend", help=ATTENTION_HELP),
+    registry: Path = typer.Option(None, "--registry", help=REGISTRY_HELP),
 ) -> None:
     """Generate from one prompt offline, through the serving engine."""
     args = GenerateArgs(model, prompt, prompt_ids, max_tokens, temperature, top_p, top_k, seed,
                         device, dtype, kernels, max_model_len, cuda_graphs, json_out, tp, ep,
-                        attention_backend)
+                        attention_backend, registry_root(registry))
     import json
     from dataclasses import asdict
 
@@ -82,15 +94,15 @@ def generate(
     try:
         result, engine = run_generate(GenerateRequest(**fields))
     except (RequestError, ValueError) as exc:
-        Console(stderr=True).print(f"[red]error:[/] {exc}")
+        make_console(stderr=True).print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
     except TPError as exc:  # a rank died or failed (issue 7)
-        Console(stderr=True).print("error: " + str(exc), markup=False, highlight=False,
+        make_console(stderr=True).print("error: " + str(exc), markup=False, highlight=False,
                                          soft_wrap=True)
         raise typer.Exit(1) from None
     if result is None:
         return  # a torchrun rank other than 0: rank 0 prints
-    err = Console(stderr=True)
+    err = make_console(stderr=True)
     err.print(engine.startup_report)
     err.print(f"{len(result.prompt_token_ids)} prompt tokens, {len(result.token_ids)} generated, "
               f"finish_reason={result.finish_reason}")
@@ -121,6 +133,7 @@ def serve(
                            "(NCCL), or N CPU processes (gloo)."),
     ep: int = typer.Option(None, "--ep", help="Expert parallelism: 1 (default) or the --tp value."),
     attention_backend: str = typer.Option(None, "--attention-backend", help=ATTENTION_HELP),
+    registry: Path = typer.Option(None, "--registry", help=REGISTRY_HELP),
 ) -> None:
     """Serve a checkpoint over the OpenAI and Anthropic HTTP APIs (no --model: the demo)."""
     from model.parallel import TPError
@@ -128,14 +141,14 @@ def serve(
 
     opts = ServeOptions(model, host, port, device, dtype, kernels, max_num_seqs, max_model_len,
                         max_num_batched_tokens, gpu_memory_utilization, api_key, served_model_name,
-                        tp, ep, attention_backend)
+                        tp, ep, attention_backend, registry_root(registry))
     try:
         run_server(opts, say=lambda line: console.print(line, highlight=False, markup=False,
                                                         soft_wrap=True))
     except (ValueError, FileNotFoundError) as exc:
-        Console(stderr=True).print(f"[red]error:[/] {exc}")
+        make_console(stderr=True).print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
     except TPError as exc:  # a rank died or failed: the group is down (issue 7)
-        Console(stderr=True).print("error: " + str(exc), markup=False, highlight=False,
+        make_console(stderr=True).print("error: " + str(exc), markup=False, highlight=False,
                                          soft_wrap=True)
         raise typer.Exit(1) from None

@@ -1,10 +1,12 @@
-"""Every environment variable autoopt reads, in one place (prefix AUTOOPT_)."""
+"""Every environment variable autoopt reads, and where its data lives by default, in one place."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+# The directory above the packages: the clone in a source checkout, site-packages when installed
+# (child processes get it on PYTHONPATH so they import this autoopt).
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -22,17 +24,78 @@ def enable_triton_interpreter() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+def data_dir() -> Path:
+    """Per-user data (the user's registry, runs, targets): $XDG_DATA_HOME/autoopt, else
+    ~/.local/share/autoopt. Never inside site-packages."""
+    base = _get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "autoopt"
+
+
+def _checkout() -> Path | None:
+    from model.registry.paths import checkout_root
+
+    return checkout_root()
+
+
 def registry_dir() -> Path:
-    return Path(_get("AUTOOPT_REGISTRY", str(REPO_ROOT / "kernels")))
+    """The registry commands read and write: $AUTOOPT_REGISTRY; in a source checkout its
+    kernels/ (model.registry.paths defines it); installed, the per-user registry."""
+    explicit = _get("AUTOOPT_REGISTRY")
+    if explicit:
+        return Path(explicit)
+    from model.registry.paths import shipped_root
+
+    return shipped_root() if _checkout() is not None else data_dir() / "registry"
+
+
+def registry_seed() -> Path | None:
+    """What the per-user registry is copied from on its first write (the registry shipped in
+    the wheel, read-only); None when the registry is explicit or the checkout's."""
+    if _get("AUTOOPT_REGISTRY") or _checkout() is not None:
+        return None
+    from model.registry.paths import shipped_root
+
+    return shipped_root()
+
+
+def open_registry(explicit: str | Path | None = None):  # -> model.registry.Registry
+    """The registry a command works on: `--registry DIR` when given, else registry_dir() (which
+    reads the shipped registry until the user's first write)."""
+    from model.registry import Registry
+
+    if explicit is not None:
+        return Registry(explicit)
+    return Registry(registry_dir(), seed=registry_seed())
 
 
 def runs_dir() -> Path:
-    return Path(_get("AUTOOPT_RUNS_DIR", str(REPO_ROOT / "runs")))
+    """$AUTOOPT_RUNS_DIR; the checkout's runs/; installed, the per-user data directory."""
+    explicit = _get("AUTOOPT_RUNS_DIR")
+    if explicit:
+        return Path(explicit)
+    repo = _checkout()
+    return repo / "runs" if repo is not None else data_dir() / "runs"
+
+
+def shipped_tasks_dir() -> Path:
+    """The targets that come with autoopt: the checkout's tasks/, or the wheel's copy."""
+    repo = _checkout()
+    return repo / "tasks" if repo is not None else Path(__file__).parent / "_shipped" / "tasks"
+
+
+def tasks_dirs() -> list[Path]:
+    """Where targets are looked up by name, first match wins: $AUTOOPT_TASKS alone when set,
+    else the user's (data_dir()/tasks) and then the shipped ones."""
+    explicit = _get("AUTOOPT_TASKS")
+    if explicit:
+        return [Path(explicit)]
+    return [data_dir() / "tasks", shipped_tasks_dir()]
 
 
 def tasks_dir() -> Path:
-    """Where target TOMLs (`<name>.toml`) are looked up by name."""
-    return Path(_get("AUTOOPT_TASKS", str(REPO_ROOT / "tasks")))
+    """The primary tasks directory ($AUTOOPT_TASKS, else the shipped targets)."""
+    explicit = _get("AUTOOPT_TASKS")
+    return Path(explicit) if explicit else shipped_tasks_dir()
 
 
 def ncu_path() -> str | None:
@@ -56,3 +119,9 @@ def anthropic_api_key() -> str | None:
 
 def anthropic_base_url() -> str | None:
     return _get("ANTHROPIC_BASE_URL")
+
+
+def terminal_columns() -> int | None:
+    """COLUMNS when the caller set it (rich honours it; autoopt.console only asks whether)."""
+    value = _get("COLUMNS")
+    return int(value) if value and value.isdigit() else None

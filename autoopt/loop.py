@@ -26,6 +26,7 @@ from rich.console import Console
 
 from . import env
 from .agents import Limits, OptimizationTask, default_agent, make_agent, run_session
+from .console import make_console
 from .loop_eval import HarnessEvaluator, RunContext
 from .runstate import RunState
 
@@ -92,10 +93,10 @@ def agent_options(args: OptimizeArgs, name: str) -> dict[str, Any]:
 
 def _context(args: OptimizeArgs, target: Any, run_dir: Path, proxy_note: str | None,
              register: bool = True) -> RunContext:
-    from model.registry import Registry, current_arch, gpu_name
+    from model.registry import current_arch, gpu_name
 
     device = "cpu" if target.hardware.is_cpu else "cuda"
-    return RunContext(run_dir=run_dir, registry=Registry(args.registry or env.registry_dir()),
+    return RunContext(run_dir=run_dir, registry=env.open_registry(args.registry),
                       target=target, arch=current_arch(device), gpu=gpu_name(device),
                       auto_accept=args.auto_accept, proxy_note=proxy_note, register=register,
                       verify_seeds=tuple(range(args.verify_seeds)),
@@ -147,11 +148,16 @@ def bench_shapes(target: Any, op: str) -> list[dict]:
 
 
 def _current(ctx: RunContext, op: str) -> tuple[str, str, dict]:
-    entry = ctx.registry.lock(ctx.arch).get(op)
-    path = ctx.registry.variant_path(op, entry.variant) if entry else None
-    if entry and path.is_file() and ctx.registry.sha256(path) == entry.sha256:
-        return entry.variant, path.read_text(), ctx.registry.read_record(op, entry.variant) or {}
-    return "reference", "", {}
+    """(name, source, record as JSON) of what this arch's lock runs for `op`, on its evidence."""
+    from model.registry.runtime import check_evidence
+
+    reg = ctx.registry
+    entry = reg.read_lock().section(ctx.arch).get(op)
+    found = check_evidence(reg, op, entry, ctx.arch) if entry else "not locked"
+    if isinstance(found, str):
+        return "reference", "", {}
+    rec = reg.read_record(op, entry.variant)
+    return entry.variant, found[1].decode(), rec.to_json()
 
 
 def build_task(ctx: RunContext, state: RunState, op: str, device: str) -> OptimizationTask:
@@ -170,7 +176,7 @@ def optimize(args: OptimizeArgs, console: Console | None = None,
     """Run (or resume) an optimize run; returns its run directory."""
     from .targets import load_target
 
-    console = console or Console()
+    console = console or make_console()
     if resume is not None:
         state = RunState.load(Path(resume))
         args = args_from_state(state.data["args"])
@@ -223,7 +229,10 @@ def _profile(args: OptimizeArgs, target: Any, state: RunState, console: Console)
     from .profiler import profile_step
 
     state.set_phase("profiling")
-    registry = args.registry or env.registry_dir()
+    reg = env.open_registry(args.registry)
+    if not reg.root.is_dir():  # a new registry: every op's baseline is the reference
+        reg.prepare_write()
+    registry = reg.root
     with console.status(f"profiling one {target.phase} step of {target.name} (tuned)"):
         prof = profile_step(target, batch=args.batch, layers=args.layers, kernels="tuned",
                             proxy=args.proxy, backend=args.profile_backend, registry=registry)
@@ -339,7 +348,7 @@ def _worker_op(saved: dict, run_dir: str, op: str, deadline: float) -> str:
     agent = make_agent(saved["agent"], **agent_options(args, saved["agent"]))
     target = load_target(args.target)
     ctx = _context(args, target, Path(run_dir), target.require_local_gpu(args.proxy))
-    console = Console()
+    console = make_console()
     console.print(f"worker {os.getpid()} on {_WORKER['physical']}: {op}")
     _one_op(args, agent, ctx, RunState.load(Path(run_dir)), op, _WORKER["device"], deadline,
             console)

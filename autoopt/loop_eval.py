@@ -177,10 +177,13 @@ class HarnessEvaluator:
             if name == "reference":
                 self._baseline = []
             else:
-                reg = self.ctx.registry
-                tuned = reg.read_configs(self.task.op, name).get(self.ctx.gpu, {})
-                path = reg.variant_path(self.task.op, name)
-                per = {bucket(s): _nearest(tuned, int(s["T"])) for s in self.bench_shapes}
+                from model.registry.configs import fixed_dims
+
+                reg, op = self.ctx.registry, self.task.op
+                tuned = reg.read_configs(op, name)
+                path = reg.variant_path(op, name)
+                per = {bucket(s): tuned.lookup(self.ctx.gpu, fixed_dims(op, s), int(s["T"]))
+                       for s in self.bench_shapes}
                 self._baseline = self._bench_variant(path, per)
         return self._baseline
 
@@ -268,14 +271,6 @@ def _merge(a: Sequence[Mapping], b: Sequence[Mapping]) -> list[dict]:
         if dict(s) not in out:
             out.append(dict(s))
     return out
-
-
-def _nearest(buckets: Mapping[str, Mapping], tokens: int) -> Mapping | None:
-    if not buckets:
-        return None
-    t = math.log2(max(tokens, 1))
-    key = min(buckets, key=lambda k: (abs(math.log2(max(int(k[2:]), 1)) - t), int(k[2:])))
-    return buckets[key]
 
 
 def _reject_detail(reports: list[dict]) -> str:

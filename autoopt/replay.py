@@ -16,6 +16,7 @@ from rich.console import Console
 
 from . import env
 from .agents import Proposal
+from .console import make_console
 from .loop import _context, _devices, args_from_state, build_task
 from .loop_eval import HarnessEvaluator
 from .runstate import RunState
@@ -26,7 +27,7 @@ def replay(run_dir: str | Path, console: Console | None = None, registry: str | 
     """Re-evaluate a recorded run's proposals without any agent; (replay dir, all reproduced)."""
     from .targets import load_target
 
-    console = console or Console()
+    console = console or make_console()
     src = RunState.load(Path(run_dir))
     args = args_from_state(src.data["args"], registry=registry)
     target = load_target(args.target)

@@ -28,13 +28,15 @@ def _new_lock(ctx: Any, state: Any) -> Path | None:
     winners = state.winners()
     if not winners:
         return None
+    from model.registry import Lock, writers
+
     reg = ctx.registry
-    section = {op: {"variant": e.variant, "sha256": e.sha256}
-               for op, e in reg.lock(ctx.arch).items()}
-    for op, w in winners.items():
-        section[op] = {"variant": w["variant"],
-                       "sha256": reg.sha256(reg.variant_path(op, w["variant"]))}
-    return reg.write_lock({ctx.arch: section}, path=ctx.run_dir / "e2e.lock.toml")
+    section = dict(reg.read_lock().section(ctx.arch))
+    for op, w in winners.items():  # verified candidates of this run, pinned as the runtime checks
+        section[op] = writers.lock_entry(reg, op, w["variant"], ctx.arch, allow_candidates=True)
+    path = ctx.run_dir / "e2e.lock.toml"
+    path.write_text(Lock({ctx.arch: section}).to_toml())
+    return path
 
 
 def end_to_end(ctx: Any, state: Any, batch: int | None, layers: int | None,
@@ -51,7 +53,8 @@ def end_to_end(ctx: Any, state: Any, batch: int | None, layers: int | None,
     if lock is None:
         return {"ran": False, "why": "no variant was registered in this run"}
     device = "cpu" if not ctx.meaningful else "cuda"
-    table = resolve_ops(kernels=lock, registry=ctx.registry.root, arch=ctx.arch, device=device)
+    table = resolve_ops(kernels=lock, registry=ctx.registry.root, arch=ctx.arch, device=device,
+                        allow_candidates=True)
     refused = {op: r.refused for op, r in table.resolution.items() if r.refused}
     batch = batch or ctx.target.batch_sizes[0]
     with console.status("end-to-end check: reference set vs new set"):

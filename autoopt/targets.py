@@ -247,21 +247,44 @@ def target_from_dict(data: dict[str, Any], source: Path | None = None) -> Target
         raise TargetError(f"{where}: {e}") from None
 
 
+def target_dirs(tasks: Path | None = None) -> list[Path]:
+    """Where targets are looked up by name: `tasks`, else env.tasks_dirs() (the user's, then
+    the shipped ones)."""
+    return [Path(tasks)] if tasks is not None else env.tasks_dirs()
+
+
+def target_paths(tasks: Path | None = None) -> dict[str, Path]:
+    """{name: file} of every target in the lookup directories; an earlier directory wins."""
+    found: dict[str, Path] = {}
+    for folder in target_dirs(tasks):
+        for p in sorted(folder.glob("*.toml")):
+            found.setdefault(p.stem, p)
+    return dict(sorted(found.items()))
+
+
 def list_targets(tasks: Path | None = None) -> list[str]:
-    """Names of the targets in the tasks directory, sorted."""
-    folder = tasks or env.tasks_dir()
-    return sorted(p.stem for p in folder.glob("*.toml"))
+    """Names of the targets in the lookup directories, sorted; a TargetError saying where it
+    looked when there are none."""
+    names = list(target_paths(tasks))
+    if not names:
+        where = ", ".join(str(d) for d in target_dirs(tasks))
+        raise TargetError(f"no targets (*.toml) found; looked in {where} (set AUTOOPT_TASKS, or "
+                          "pass --target path/to/target.toml)")
+    return names
 
 
 def load_target(name_or_path: str | Path, tasks: Path | None = None) -> Target:
-    """A target by name (`tasks/<name>.toml`) or by path to a TOML file."""
+    """A target by name (the first `<name>.toml` in the lookup directories) or by TOML path."""
     path = Path(name_or_path)
-    if not (path.suffix == ".toml" or path.exists()):
-        path = (tasks or env.tasks_dir()) / f"{name_or_path}.toml"
+    by_name = not (path.suffix == ".toml" or path.exists())
+    if by_name:
+        path = target_paths(tasks).get(str(name_or_path), path)
     if not path.is_file():
-        known = ", ".join(list_targets(tasks)) or "none"
-        raise TargetError(f"no target {str(name_or_path)!r} (looked for {path}); known targets: "
-                          f"{known}")
+        known = ", ".join(target_paths(tasks)) or "none"
+        where = (f"{name_or_path}.toml in " + ", ".join(str(d) for d in target_dirs(tasks))
+                 if by_name else str(path))
+        raise TargetError(f"no target {str(name_or_path)!r} (looked for {where}); known "
+                          f"targets: {known}")
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:

@@ -7,10 +7,12 @@ shapes, several seeds; the five verifications run in parallel child processes), 
 with `bench_op` (reference, torch.compile and the variant in one child, CUDA-graph replay) at
 decode T = 1, 8, 32, 128 (h200-tp8-decode) and prefill T = 2048, 16384 (h200-tp8-prefill) shapes
 of `preset("beam-1.0-501b").shard(8)`. For each variant it writes
-`$OUT/<op>/records/<variant>.json` (the registry record merged with this run's verification,
-keyed by arch, and benchmark rows) and prints a compact table; `$OUT/summary.json` holds all rows.
-Copy the records into kernels/ to commit them (or pass --write-registry). Exit 0 when every
-variant verified and was timed, 1 otherwise. `--no-compile` skips the torch.compile baselines
+`$OUT/<op>/records/<variant>.json` through the registry's own writer (the same one as
+`autoopt registry record`: this arch's verification and this GPU's rows replace earlier ones,
+everything else in the record is kept; $OUT is a registry holding copies of the variants) and
+prints a compact table; `$OUT/summary.json` holds all rows. Copy the records into kernels/ to
+commit them (or pass --write-registry). Exit 0 when every variant verified and was timed, 1
+otherwise. `--no-compile` skips the torch.compile baselines
 (the slowest part) and `--ops` splits the run.
 
 `--device cpu` does the same on CPU (Triton interpreter; timings not meaningful for speed);
@@ -79,49 +81,38 @@ def verify_shapes(op: str, device: str, dry: bool) -> list[dict] | None:
 
 
 def verify_all(jobs: list[tuple[str, str, Path]], device: str, seeds: list[int], dry: bool,
-               workers: int) -> dict[tuple[str, str], object]:
-    from autoopt.eval.verify import verify_variant
+               workers: int) -> dict[tuple[str, str], dict]:
+    from autoopt.registry_record import verify
 
     def one(job):
         op, name, source = job
-        return (op, name), verify_variant(op, source, device=device, seeds=seeds,
-                                          shapes=verify_shapes(op, device, dry), timeout_s=600)
+        return (op, name), verify(op, source, device, seeds, verify_shapes(op, device, dry),
+                                  timeout_s=600)
 
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         return dict(pool.map(one, jobs))
 
 
 def bench(op: str, source: Path, plan: list[tuple[str, dict]], device: str, args) -> list[dict]:
-    from autoopt.eval.timing import bench_op
+    from autoopt.registry_record import bench as bench_rows
 
     dry = args.dry_run
-    rows = bench_op(op, source, [s for _, s in plan], device, warmup=1 if dry else args.warmup,
-                    iters=2 if dry else args.iters, compile=not (dry or args.no_compile),
-                    timeout_s=900)
-    targets = {json.dumps(s, sort_keys=True): t for t, s in plan}
-    out = []
-    for row in rows:
-        d = row.to_dict()
-        d["target"] = targets.get(json.dumps(d["shape"], sort_keys=True), "-")
-        out.append(d)
-    return out
+    return bench_rows(op, source, plan, device, warmup=1 if dry else args.warmup,
+                      iters=2 if dry else args.iters, compile=not (dry or args.no_compile),
+                      timeout_s=900)
 
 
-def merged_record(reg, op: str, name: str, arch: str, report, rows: list[dict], agent: str
-                  ) -> dict:
-    from model.registry import new_record, sha256
+def out_registry(reg, out: Path, op: str, name: str):
+    """$OUT as a registry holding a copy of the variant and its current record."""
+    from model.registry import Registry
 
-    sha = sha256(reg.variant_path(op, name))
-    rec = reg.read_record(op, name)
-    if rec is None or rec.get("sha256") != sha:
-        rec = new_record(op, name, sha, agent=agent)
-    rec.setdefault("verification", {})[arch] = report.to_dict()
-    gpu = rows[0].get("gpu") or rows[0].get("device") if rows else None
-    kept = [b for b in rec.get("benchmarks", [])
-            if (b.get("gpu") or b.get("device")) != gpu]
-    rec["benchmarks"] = kept + rows
-    rec["meaningful_for_speed"] = any(b.get("meaningful") for b in rec["benchmarks"])
-    return rec
+    dst = Registry(out)
+    for src_path, dst_path in ((reg.variant_path(op, name), dst.variant_path(op, name)),
+                               (reg.record_path(op, name), dst.record_path(op, name))):
+        if src_path.is_file():
+            dst_path.parent.mkdir(parents=True, exist_ok=True)
+            dst_path.write_bytes(reg.safe_bytes(src_path))
+    return dst
 
 
 def print_table(results: list[dict]) -> None:
@@ -154,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device: run on the GPU machine, or pass --device cpu / --dry-run",
               file=sys.stderr)
         return 2
+    from autoopt.registry_record import record_evidence
     from model.registry import Registry, current_arch
 
     reg = Registry(args.registry)
@@ -178,16 +170,15 @@ def main(argv: list[str] | None = None) -> int:
             rows = bench(op, source, bench_plan(op, device, args.dry_run), device, args)
         except (RuntimeError, ValueError) as exc:  # one op's failure must not lose the others
             rows, bench_error = [], str(exc)
-        rec = merged_record(reg, op, name, arch, report, rows, args.agent)
-        path = args.out / op / "records" / f"{name}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(rec, indent=2, default=str) + "\n")
+        out = out_registry(reg, args.out, op, name)
+        record_evidence(out, op, name, device, report, rows, args.agent)
         if args.write_registry:
-            reg.write_record(op, name, rec)
-        results.append({"op": op, "variant": name, "verdict": report.verdict,
-                        "reasons": report.reasons, "rows": rows, "record": str(path),
+            record_evidence(reg, op, name, device, report, rows, args.agent)
+        path = out.record_path(op, name)
+        results.append({"op": op, "variant": name, "verdict": report["verdict"],
+                        "reasons": report["reasons"], "rows": rows, "record": str(path),
                         "bench_error": bench_error})
-        print(f"{op}/{name}: {report.verdict}, timed {len(rows)} shapes in "
+        print(f"{op}/{name}: {report['verdict']}, timed {len(rows)} shapes in "
               f"{time.monotonic() - t0:.0f} s -> {path}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     summary = {"device": device, "arch": arch, "elapsed_s": time.monotonic() - start,

@@ -344,8 +344,9 @@ def load_model(
 ) -> BeamForCausalLM:
     """Load a Beam checkpoint (HF layout) for one TP rank; the router stays FP32.
 
-    `kernels` picks every op's implementation through the registry (model/registry.py): `tuned`
-    (the lock's section for `device`'s arch), `reference`, or the path of a lock file.
+    `kernels` picks every op's implementation through the registry (model/registry/): `tuned`
+    (the lock's section for `device`'s arch), `reference`, or the path of a lock file; variants
+    and their evidence come from `registry` (default: the checkout's kernels/ or the shipped one).
     """
     from .registry import resolve_ops
 

@@ -15,6 +15,10 @@ except ImportError:  # pragma: no cover
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# rich wraps at 80 columns when there is no terminal (CI has neither a TTY nor COLUMNS): tests
+# that read console output see one stable width instead of the machine's.
+os.environ["COLUMNS"] = "200"
+
 import pytest  # noqa: E402
 
 

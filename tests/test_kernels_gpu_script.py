@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
-from model.registry import DEFAULT_ROOT, sha256
+from model.registry import Registry, sha256, shipped_root
+
+DEFAULT_ROOT = shipped_root()
 
 
 def load_script():
-    path = DEFAULT_ROOT.parent / "benchmarks" / "gpu_kernels.py"
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_kernels.py"
     spec = importlib.util.spec_from_file_location("gpu_kernels_script", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -22,16 +25,20 @@ def test_dry_run_verifies_times_and_writes_records(tmp_path, capsys):
     code = script.main(["--dry-run", "--ops", "rmsnorm,swiglu", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0, out
+    out_reg = Registry(tmp_path)  # $OUT is a registry, written by the registry's own writer
     for op in ("rmsnorm", "swiglu"):
-        rec = json.loads((tmp_path / op / "records" / "triton_v1.json").read_text())
-        assert rec["sha256"] == sha256(DEFAULT_ROOT / op / "triton_v1.py")
-        assert rec["status"] in ("candidate", "accepted", "rejected")
-        assert rec["verification"]["cpu"]["verdict"] == "pass"
-        rows = [b for b in rec["benchmarks"] if b["device"] == "cpu"]
-        assert [b["shape"]["T"] for b in rows] == [1, 3]
-        assert all(b["target"] == "cpu-tiny" and b["meaningful"] is False for b in rows)
-        # The record keeps the GPU rows committed before; it is meaningful iff one of them is.
-        assert rec["meaningful_for_speed"] == any(b["meaningful"] for b in rec["benchmarks"])
+        rec = out_reg.read_record(op, "triton_v1")
+        committed = Registry(DEFAULT_ROOT).read_record(op, "triton_v1")
+        assert rec.variant.sha256 == sha256(DEFAULT_ROOT / op / "triton_v1.py")
+        assert rec.status == committed.status  # what the review decided is kept
+        assert rec.verdicts()["cpu"] == "pass"
+        assert rec.verification["sm_90"] == committed.verification["sm_90"]  # other arch kept
+        rows = [b for b in rec.benchmarks if b.gpu == "cpu"]
+        assert [b.shape["T"] for b in rows] == [1, 3]
+        assert all(b.get("target") == "cpu-tiny" and b.meaningful is False for b in rows)
+        # The GPU rows committed before stay: this run measured another device.
+        assert [b for b in rec.benchmarks if b.gpu != "cpu"] == \
+            [b for b in committed.benchmarks if b.gpu != "cpu"]
         assert f"{op:<20} triton_v1   pass" in out
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["arch"] == "cpu" and len(summary["results"]) == 2

@@ -68,8 +68,9 @@ def check_policy(op: str, got: tuple, ref: tuple) -> None:
         d = ulp_distance(g, r)
         if op == "logit_softcap" and g.device.type == "cpu":
             # Interpreter tanh is FP64-rounded (no libdevice); torch's CPU tanhf is off the
-            # correctly rounded value in ~6e-5 of inputs: at most 1 FP32 ulp, rarely.
-            assert int(d.max()) <= 1 and float((d > 0).float().mean()) <= 1e-3, op
+            # correctly rounded value by at most 1 FP32 ulp, in ~6e-5 of inputs with AVX2 and
+            # ~6e-3 with AVX-512 (its vectorised tanh differs).
+            assert int(d.max()) <= 1 and float((d > 0).float().mean()) <= 2e-2, op
         elif numerics.kind == "bitwise":
             assert int(d.max()) == 0, f"{op}: {int((d > 0).sum())} elements differ"
         else:

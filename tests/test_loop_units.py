@@ -64,9 +64,10 @@ def test_gpu_winner_beyond_noise_is_accepted_and_locked(tmp_path, monkeypatch):
     a = ev.evaluate(_proposal()).attempt
     assert a.verdict == "pass" and a.speedup == pytest.approx(2.0) and a.meaningful
     assert a.outcome == "registered swiglu/template_tiles_v1 as accepted and locked for sm_90"
-    assert ctx.registry.lock("sm_90")["swiglu"].variant == "template_tiles_v1"
-    configs = ctx.registry.read_configs("swiglu", "template_tiles_v1")
-    assert configs == {"NVIDIA H200": {"T=1": {"ROWS": 1}, "T=8": {"ROWS": 4}}}
+    assert ctx.registry.read_lock().section("sm_90")["swiglu"].variant == "template_tiles_v1"
+    configs = ctx.registry.read_configs("swiglu", "template_tiles_v1").to_json()
+    assert list(configs) == ["NVIDIA H200"] and len(configs["NVIDIA H200"]) == 1
+    assert list(configs["NVIDIA H200"].values())[0] == {"T=1": {"ROWS": 1}, "T=8": {"ROWS": 4}}
 
 
 def test_gpu_win_within_noise_is_not_registered(tmp_path, monkeypatch):

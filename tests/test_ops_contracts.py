@@ -31,12 +31,15 @@ TOKENS = [1, 17, 123]
 BF = torch.bfloat16
 
 
-def _close_bf16(got, want, frac=2e-3, atol=0.0):
+def _close_bf16(got, want, frac=2e-3, atol=0.0, far_frac=0.0):
     assert got.dtype == want.dtype and got.shape == want.shape
     # Values that cancel to near zero count many ulps for a tiny absolute error: `atol` lets
-    # such elements pass on absolute error alone.
+    # such elements pass on absolute error alone. `far_frac`: the share of elements that may be
+    # more than 1 ulp off (see test_moe_experts).
     ulp = bf16_ulp(got, want) * ((got.float() - want.float()).abs() > atol)
-    assert int(ulp.max()) <= 1, f"max ulp {int(ulp.max())}"
+    far = (ulp > 1).float().mean()
+    assert int(ulp.max()) <= 1 or (far_frac and far <= far_frac), (
+        f"max ulp {int(ulp.max())} on {int((ulp > 1).sum())} of {ulp.numel()}")
     assert (ulp > 0).float().mean() <= frac, f"{int((ulp > 0).sum())} of {ulp.numel()} differ"
 
 
@@ -202,7 +205,11 @@ def test_moe_experts(t):
         want[row] = (acc.to(BF).double() * scale).to(BF)
     # The FP32 combine and GEMM accumulators against FP64: 1 ulp on a few percent at most;
     # outputs that cancel to ~1e-7 (vs values ~4) may be off by more ulps, within 1e-5 absolute.
-    _close_bf16(got, want, frac=0.03, atol=1e-5)
+    # An FP32 GEMM sum that lands on the other side of a BF16 rounding boundary than the FP64
+    # one flips one intermediate (gate_up or down output) by 1 ulp; the next GEMM and a
+    # cancelling weighted sum can carry that to several output ulps, on a handful of elements
+    # (how many depends on the CPU's GEMM blocking: AMX, AVX-512 and AVX2 sum differently).
+    _close_bf16(got, want, frac=0.03, atol=1e-5, far_frac=1e-3)
 
 
 @pytest.mark.parametrize("t", [1, 17])

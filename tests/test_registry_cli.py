@@ -1,34 +1,36 @@
-"""`autoopt registry list|show|diff|lock|set-status` on a tmp registry."""
+"""`autoopt registry ...` / `autoopt review ...` on a tmp registry and on the committed kernels/.
+
+Output is read as JSON where the test compares values, and rich is given a wide console
+elsewhere (CI has no COLUMNS and no TTY).
+"""
 
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from autoopt.cli import app
-from model.registry import Registry, new_record, sha256
+from model.registry import Registry, resolve_ops, shipped_root, writers
 
-V1 = "import torch\n\n\ndef run(gate, up, config=None):\n    return gate * up\n"
-V2 = V1.replace("gate * up", "up * gate")
+from .registry_support import TORCH_SWIGLU, passing, write_variant
+
+V2 = TORCH_SWIGLU.replace("F.silu(gate.float())", "gate.float() * gate.float().sigmoid()")
+CORPUS = Path(__file__).resolve().parent / "adversarial"
 
 
 @pytest.fixture
 def reg(tmp_path):
     r = Registry(tmp_path / "kernels")
-    for name, src in (("torch_v1", V1), ("torch_v2", V2)):
-        path = r.variant_path("swiglu", name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(src)
-    rec = new_record("swiglu", "torch_v1", sha256(r.variant_path("swiglu", "torch_v1")),
-                     agent="hand-written")
-    rec["verification"] = {"cpu": {"verdict": "pass", "reasons": [], "shapes": [{"T": 1}],
-                                   "seeds": [0]}}
-    rec["benchmarks"] = [{"target": "h200-tp8-decode", "gpu": "NVIDIA H200", "shape": {"T": 1},
-                          "median_us": 2.5, "iqr_us": 0.1, "x_reference": 1.8, "x_compile": 1.1,
-                          "pct_of_floor": 40.0, "meaningful": True}]
-    r.write_record("swiglu", "torch_v1", rec)
+    write_variant(r, "swiglu", "torch_v1", TORCH_SWIGLU)
+    write_variant(r, "swiglu", "torch_v2", V2)
+    writers.record(r, "swiglu", "torch_v1", [passing(r, "swiglu", "torch_v1")],
+                   [{"target": "h200-tp8-decode", "gpu": "NVIDIA H200", "shape": {"T": 1},
+                     "median_us": 2.5, "iqr_us": 0.1, "x_reference": 1.8, "x_compile": 1.1,
+                     "pct_of_floor": 40.0, "meaningful": True}])
     return r
 
 
@@ -37,11 +39,17 @@ def cli(*args: str):
     return CliRunner().invoke(app, list(args), catch_exceptions=False, env={"COLUMNS": "240"})
 
 
+def rows(*args: str) -> list[dict]:
+    out = cli(*args, "--json")
+    assert out.exit_code == 0, out.output
+    return json.loads(out.stdout)
+
+
 def test_list_shows_status_and_flags_modified_files(reg):
     out = cli("registry", "list", "--registry", str(reg.root))
     assert out.exit_code == 0, out.output
     assert "torch_v1" in out.output and "candidate" in out.output and "1.80x" in out.output
-    assert "unrecorded" in out.output  # torch_v2 has no record
+    assert "unrecorded" in out.output and "cpu:pass" in out.output  # torch_v2 has no record
     path = reg.variant_path("swiglu", "torch_v1")
     path.write_text(path.read_text() + "# edit\n")
     out = cli("registry", "list", "--registry", str(reg.root))
@@ -50,30 +58,89 @@ def test_list_shows_status_and_flags_modified_files(reg):
 
 def test_show_and_json(reg):
     out = cli("registry", "show", "swiglu", "torch_v1", "--registry", str(reg.root))
-    assert out.exit_code == 0 and "hand-written" in out.output and "verified on cpu: pass" in \
-        out.output and "h200-tp8-decode" in out.output
-    out = cli("registry", "show", "swiglu", "torch_v1", "--registry", str(reg.root), "--json")
-    assert json.loads(out.output)["sha256"] == sha256(reg.variant_path("swiglu", "torch_v1"))
-    out = cli("registry", "show", "swiglu", "nope", "--registry", str(reg.root))
-    assert out.exit_code == 1
+    assert out.exit_code == 0, out.output
+    for part in ("hand-written", "verified on cpu: pass", "h200-tp8-decode", "language torch",
+                 "## Diff against reference"):
+        assert part in out.output, part
+    rec = json.loads(cli("registry", "show", "swiglu", "torch_v1", "--registry",
+                         str(reg.root), "--json").stdout)
+    assert rec["variant"]["sha256"] == Registry.sha256(reg.variant_path("swiglu", "torch_v1"))
+    assert cli("registry", "show", "swiglu", "nope", "--registry", str(reg.root)).exit_code == 1
 
 
 def test_diff(reg):
     out = cli("registry", "diff", "swiglu", "torch_v1", "torch_v2", "--registry", str(reg.root))
     assert out.exit_code == 0
-    assert "-    return gate * up" in out.output and "+    return up * gate" in out.output
+    assert "-    return (F.silu" in out.output and "+    return (gate.float()" in out.output
 
 
-def test_lock_requires_accepted_then_shows_it(reg):
-    base = ("registry", "lock", "--registry", str(reg.root), "--arch", "sm_90")
+def test_accept_lock_show_unset(reg):
+    base = ("registry", "lock", "--registry", str(reg.root), "--arch", "cpu")
     out = cli(*base, "--op", "swiglu", "--variant", "torch_v1")
     assert out.exit_code == 1 and "not 'accepted'" in out.output
     out = cli("registry", "set-status", "swiglu", "torch_v1", "accepted", "--reason", "1.8x",
               "--registry", str(reg.root))
-    assert out.exit_code == 0
+    assert out.exit_code == 0 and reg.read_lock().section("cpu") == {}  # accepted, not locked
     out = cli(*base, "--op", "swiglu", "--variant", "torch_v1")
-    assert out.exit_code == 0 and "sm_90" in out.output
-    out = cli("registry", "lock", "--registry", str(reg.root))
-    assert out.exit_code == 0 and "torch_v1" in out.output and "accepted" in out.output
+    assert out.exit_code == 0 and "[cpu] swiglu = torch_v1" in out.output
+    lock = rows("registry", "lock", "--registry", str(reg.root))
+    assert [(r["arch"], r["op"], r["variant"], r["state"]) for r in lock] == \
+        [("cpu", "swiglu", "torch_v1", "ok")]
     out = cli(*base, "--op", "swiglu", "--unset")
-    assert out.exit_code == 0 and reg.lock("sm_90") == {}
+    assert out.exit_code == 0 and reg.read_lock().section("cpu") == {}
+
+
+def test_missing_registry_and_lock_say_where_they_looked(tmp_path):
+    out = cli("registry", "list", "--registry", str(tmp_path / "nothing"))
+    assert out.exit_code == 1 and "no registry at" in out.output
+    empty = tmp_path / "empty"
+    (empty / "swiglu").mkdir(parents=True)
+    out = cli("registry", "lock", "--registry", str(empty))
+    assert out.exit_code == 1 and "no lock file: looked for" in out.output
+
+
+def test_record_verifies_times_and_writes_the_record(tmp_path):
+    reg = Registry(tmp_path / "k")
+    reg.variant_path("swiglu", "plain").parent.mkdir(parents=True)
+    shutil.copy(CORPUS / "honest_torch_swiglu.py", reg.variant_path("swiglu", "plain"))
+    out = cli("registry", "record", "swiglu", "plain", "--registry", str(reg.root), "--device",
+              "cpu", "--seeds", "0", "--tokens", "1,17", "--no-compile", "--warmup", "1",
+              "--iters", "2")
+    assert out.exit_code == 0, out.output
+    rec = reg.read_record("swiglu", "plain")
+    assert rec.status == "candidate" and rec.verdicts() == {"cpu": "pass"}
+    assert rec.verification["cpu"][0].report["source"] == "swiglu/plain.py"
+    assert [b.shape["T"] for b in rec.benchmarks] == [1, 17]
+    assert all(b.get("target") == "cpu-tiny" and not b.meaningful for b in rec.benchmarks)
+
+
+def test_migrate_command_is_idempotent_on_a_current_registry(reg):
+    out = cli("registry", "migrate", "--registry", str(reg.root))
+    assert out.exit_code == 0 and "already schema 2" in out.output
+
+
+# ---- the committed registry ----------------------------------------------------------------
+def test_list_show_review_and_the_loader_agree_on_the_committed_registry():
+    root = str(shipped_root())
+    listed = {(r["op"], r["variant"]): r for r in rows("registry", "list", "--registry", root)}
+    accepted = {(r["op"], r["variant"]): r
+                for r in rows("review", "list", "--status", "accepted", "--registry", root)}
+    assert listed and all(r["file"] == "ok" for r in listed.values())
+    assert accepted == {k: r for k, r in listed.items() if r["status"] == "accepted"}
+    for (op, name), r in listed.items():
+        rec = json.loads(cli("registry", "show", op, name, "--registry", root, "--json").stdout)
+        assert rec["status"] == r["status"], (op, name)
+        verdicts = " ".join(f"{a}:pass" for a in sorted(rec["verification"]))
+        if not verdicts and rec["status"] == "candidate" and not rec["variant"]["runs_on_cpu"]:
+            verdicts = "unverified"  # a GPU-only candidate (a library's) awaiting its GPU run
+        assert r["verified"] == verdicts, (op, name)  # every other committed variant verified
+    lock = rows("registry", "lock", "--registry", root)
+    assert lock and all(r["state"] == "ok" for r in lock)
+    for arch in {r["arch"] for r in lock}:
+        table = resolve_ops("tuned", root, arch=arch, device="cpu")
+        loaded = {op: res.variant for op, res in table.resolution.items()
+                  if res.source != "reference"}
+        assert loaded == {r["op"]: r["variant"] for r in lock if r["arch"] == arch}
+        for op, name in loaded.items():
+            assert arch in listed[(op, name)]["locked"].split()
+            assert f"{arch}:pass" in listed[(op, name)]["verified"]

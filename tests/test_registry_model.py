@@ -1,6 +1,6 @@
 """The whole model through the registry: a lock selecting the Triton variants vs the reference.
 
-A TEST lock in a tmp dir gives a `[cpu]` section selecting the five hand-written Triton variants
+A test lock in a tmp dir gives a `[cpu]` section selecting the five hand-written Triton variants
 from the repo's kernels/ (run by the interpreter on CPU); the tiny demo checkpoint is loaded
 once with it and once with `--kernels reference`.
 """
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from model.demo import write_demo_checkpoint
-from model.registry import KernelRefusedWarning, Registry, sha256
+from model.registry import KernelRefusedWarning, Lock, Registry, sha256, writers
 from model.weights import load_model
 
 TRITON_OPS = ("rmsnorm", "norm_residual_norm", "attn_output_gate", "swiglu", "logit_softcap")
@@ -26,11 +26,11 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def test_lock(tmp_path_factory):
+    # Pinned as `autoopt registry lock` pins (the records carry a CPU verification of each).
     repo = Registry()
     path = tmp_path_factory.mktemp("lock") / "registry.lock.toml"
-    repo.write_lock({"cpu": {op: {"variant": "triton_v1",
-                                  "sha256": sha256(repo.variant_path(op, "triton_v1"))}
-                             for op in TRITON_OPS}}, path)
+    path.write_text(Lock({"cpu": {op: writers.lock_entry(repo, op, "triton_v1", "cpu")
+                                  for op in TRITON_OPS}}).to_toml())
     return path
 
 

@@ -1,5 +1,5 @@
 """`autoopt review list|show|accept|reject` on a temporary registry, and the registration the
-optimize loop does (new immutable files, records, configs, NOTES.md, lock)."""
+optimize loop does (new immutable files, records, proposed configs, NOTES.md, lock)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from autoopt.cli import app
 from autoopt.loop_eval import RunContext
 from autoopt.review import code_key, register_variant, timed_configs
 from autoopt.targets import load_target
-from model.registry import Registry, RegistryError
+from model.registry import ConfigTable, Registry, RegistryError
 
 from .agents_support import registry_files
 
@@ -56,9 +56,11 @@ def test_registration_writes_new_immutable_files_and_dedupes(tmp_path):
     assert out == "registered swiglu/claude_tiles_v1 as candidate"
     reg = Registry(tmp_path / "registry")
     assert (reg.root / "swiglu" / "claude_tiles_v1.py").read_text() == src
-    assert reg.read_configs("swiglu", "claude_tiles_v1") == {"cpu": {"T=1": {"ROWS": 2}}}
+    # A candidate's tuned configs wait in its record; configs/ holds accepted ones only.
+    assert not reg.config_path("swiglu", "claude_tiles_v1").exists()
     rec = reg.read_record("swiglu", "claude_tiles_v1")
-    assert rec["provenance"]["prompt_sha256"] == "abc" and rec["archs"] == ["cpu"]
+    assert rec.proposed_configs.to_json() == {"cpu": {"I=128": {"T=1": {"ROWS": 2}}}}
+    assert rec.provenance.prompt_sha256 == "abc" and rec.verdicts() == {"cpu": "pass"}
     assert "Hypothesis: h" in (reg.root / "swiglu" / "NOTES.md").read_text()
     # The same code again is not a new variant; different code is v2.
     assert "same code as registered" in _register(tmp_path, "swiglu", src)
@@ -96,12 +98,14 @@ def test_same_program_with_a_tuned_config_goes_to_the_existing_variant(tmp_path)
     assert out.startswith("registered swiglu/claude_tiles_v1 tuned configs (the same program")
     assert "locked for sm_90" in out
     assert set(reg.variants("swiglu")) == before
-    assert reg.read_configs("swiglu", "claude_tiles_v1") == {"NVIDIA H200": {"T=1": {"ROWS": 2}}}
+    configs = reg.read_configs("swiglu", "claude_tiles_v1")
+    assert configs.to_json() == {"NVIDIA H200": {"I=128": {"T=1": {"ROWS": 2}}}}
     rec = reg.read_record("swiglu", "claude_tiles_v1")
-    assert rec["tuned_configs"][-1]["configs"] == {"T=1": {"ROWS": 2}}
-    assert rec["tuned_configs"][-1]["verification"][0]["verdict"] == "pass"
+    assert rec.tunings[-1]["configs"] == {"NVIDIA H200": {"I=128": {"T=1": {"ROWS": 2}}}}
+    assert rec.tunings[-1]["verification"][0]["verdict"] == "pass"
     assert "claude_tiles_v1: tuned configs" in (reg.root / "swiglu" / "NOTES.md").read_text()
-    assert reg.lock("sm_90")["swiglu"].variant == "claude_tiles_v1"
+    entry = reg.read_lock().section("sm_90")["swiglu"]
+    assert entry.variant == "claude_tiles_v1" and entry.configs_sha256 == configs.sha256
     # On the CPU the timings judge nothing: the existing variant is left as it was.
     cpu = _register(tmp_path / "cpu", "swiglu", src)
     assert cpu.endswith("as candidate")
@@ -117,7 +121,11 @@ def test_auto_accept_locks_gpu_winners_but_never_cpu_ones(tmp_path):
     out = _register(tmp_path / "b", "swiglu", src, arch="sm_90", auto_accept=True)
     assert out == "registered swiglu/claude_tiles_v1 as accepted and locked for sm_90"
     reg = Registry(tmp_path / "b" / "registry")
-    assert reg.lock("sm_90")["swiglu"].variant == "claude_tiles_v1"
+    assert reg.read_lock().section("sm_90")["swiglu"].variant == "claude_tiles_v1"
+    # Accepted: its configs moved from the record into configs/, and the lock pins them.
+    assert reg.read_configs("swiglu", "claude_tiles_v1") == ConfigTable.from_rows(
+        "swiglu", "NVIDIA H200", [{"shape": {"T": 1, "I": 128}, "config": {"ROWS": 2}}])
+    assert not reg.read_record("swiglu", "claude_tiles_v1").proposed_configs
 
 
 def test_review_list_show_accept_reject(tmp_path):
@@ -138,13 +146,16 @@ def test_review_list_show_accept_reject(tmp_path):
     res = cli.invoke(app, ["review", "accept", "swiglu", "claude_tiles_v1", "--registry", reg_dir])
     assert res.exit_code == 0, res.output
     reg = Registry(reg_dir)
-    assert reg.lock("cpu")["swiglu"].variant == "claude_tiles_v1"
+    assert reg.read_lock().section("cpu")["swiglu"].variant == "claude_tiles_v1"
     rec = reg.read_record("swiglu", "claude_tiles_v1")
-    assert rec["status"] == "accepted" and rec["review"][-1]["action"] == "accept"
-    # Plain files: exactly the record and the lock changed (what `git diff kernels/` shows).
+    assert rec.status == "accepted" and rec.review[-1]["action"] == "accept"
+    # Plain files: the record, its configs (moved out of the record) and the lock changed,
+    # nothing else (what `git diff kernels/` shows).
     after = {p: p.read_bytes() for p in registry_files(tmp_path / "registry")}
-    changed = {p.name for p in after if before.get(p) != after[p]}
-    assert changed == {"claude_tiles_v1.json", "registry.lock.toml"}
+    changed = {str(p.relative_to(tmp_path / "registry")) for p in after
+               if before.get(p) != after[p]}
+    assert changed == {"swiglu/records/claude_tiles_v1.json", "swiglu/configs/claude_tiles_v1.json",
+                       "registry.lock.toml"}
     # Now the diff is against the selected variant.
     res = cli.invoke(app, ["review", "show", "swiglu", "claude_other_v1", "--registry", reg_dir])
     assert "## Diff against claude_tiles_v1" in res.output
@@ -152,8 +163,8 @@ def test_review_list_show_accept_reject(tmp_path):
                            "slower at T=64 on the H200", "--registry", reg_dir])
     assert res.exit_code == 0 and "removed from the lock for cpu" in _flat(res.output)
     rec = reg.read_record("swiglu", "claude_tiles_v1")
-    assert rec["status"] == "rejected" and rec["status_reason"] == "slower at T=64 on the H200"
-    assert "swiglu" not in reg.lock("cpu")
+    assert rec.status == "rejected" and rec.status_reason == "slower at T=64 on the H200"
+    assert "swiglu" not in reg.read_lock().section("cpu")
     res = cli.invoke(app, ["review", "list", "--registry", reg_dir, "--status", "rejected"])
     assert "claude_tiles_v1" in res.output and "claude_other_v1" not in res.output
 
@@ -162,10 +173,10 @@ def test_review_errors_say_what_to_do(tmp_path):
     _register(tmp_path, "swiglu", CATALOG["swiglu"][0].render())
     reg_dir = str(tmp_path / "registry")
     res = CliRunner().invoke(app, ["review", "show", "swiglu", "nope", "--registry", reg_dir])
-    assert res.exit_code == 2 and "variants of swiglu: claude_tiles_v1" in _flat(res.output)
+    assert res.exit_code == 1 and "variants of swiglu: claude_tiles_v1" in _flat(res.output)
     res = CliRunner().invoke(app, ["review", "accept", "swiglu", "claude_tiles_v1", "--arch",
                                    "sm_90", "--registry", reg_dir])
-    assert res.exit_code == 2 and "verified for ['cpu'], not sm_90" in _flat(res.output)
+    assert res.exit_code == 1 and "verified for ['cpu'], not sm_90" in _flat(res.output)
     from autoopt.review import reject
 
     with pytest.raises(RegistryError, match="needs a reason"):

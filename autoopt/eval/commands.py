@@ -61,7 +61,7 @@ def parse_ints(text: str | None, what: str) -> list[int] | None:
 def resolve_source(op: str, variant: str | None, source: Path | None,
                    registry: Path | None) -> Path | None:
     """--source PATH, or DIR/OP/NAME.py with DIR = --registry or the default registry."""
-    from autoopt.env import registry_dir
+    from autoopt.env import open_registry
 
     from .candidates import variant_path
 
@@ -72,7 +72,7 @@ def resolve_source(op: str, variant: str | None, source: Path | None,
             raise FileNotFoundError(f"--source {source} does not exist")
         return Path(source)
     if variant:
-        return variant_path(op, variant, registry or registry_dir())
+        return variant_path(op, variant, open_registry(registry).root)
     return None
 
 

@@ -200,9 +200,12 @@ def resolve_ops(kernels: str, device: torch.device, registry: str | None = None)
     try:
         from model.registry import resolve_ops as registry_resolve
     except ImportError as e:
-        raise TargetError(f"--kernels {kernels} needs the kernel registry (model/registry.py), "
+        raise TargetError(f"--kernels {kernels} needs the kernel registry (model/registry/), "
                           f"which is not importable ({e}); use --kernels reference") from None
-    return registry_resolve(kernels=kernels, registry=registry, device=device)
+    # A lock file given by path (the optimize loop's trial of a run's new set) may select
+    # verified candidates: profiling measures them; serving never loads them.
+    return registry_resolve(kernels=kernels, registry=registry, device=device,
+                            allow_candidates=kernels != "tuned")
 
 
 def default_device(target: Target) -> torch.device:

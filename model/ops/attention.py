@@ -1,4 +1,4 @@
-"""attention(q[T,Hq,D], k_cache[P,page,Hkv,D], v_cache[P,page,Hkv,D], page_table[B,W],
+"""attention(q[T,Hq,D], k_cache[P,page,Hkv,D], v_cache[P,page,Hkv,D], page_table[B,R],
 kv_base[B], q_seq[T], q_pos[T], window, scale) -> [T,Hq,D]
 
 Causal GQA attention over a paged KV cache, the form the server runs: decode rows and prefill
@@ -32,12 +32,14 @@ from ._paged import DEFAULT_PAGE
 NAME = "attention"
 SIGNATURE = (
     "attention(q[T,Hq,D] bf16, k_cache[P,page,Hkv,D] bf16, v_cache[P,page,Hkv,D] bf16, "
-    "page_table[B,W] int64, kv_base[B] int64, q_seq[T] int64, q_pos[T] int64, "
+    "page_table[B,R] int64, kv_base[B] int64, q_seq[T] int64, q_pos[T] int64, "
     "window: int (0 = full), scale: float) -> [T,Hq,D] bf16"
 )
 AXES = {
     "T": "query tokens",
-    "B": "sequences (page-table rows)",
+    "B": "sequences, one page-table row each (varies)",
+    "R": "page-table width in pages (varies)",
+    "P": "pages in the layer's cache (varies)",
     "S": "context: keys before and including a sequence's last query",
     "Hq": "query heads/rank",
     "Hkv": "KV heads/rank",
@@ -58,7 +60,7 @@ def check(q, k_cache, v_cache, page_table, kv_base, q_seq, q_pos) -> None:
                          f"[.., Hkv={hkv}, D={k_cache.shape[3]}] (Hq must be a multiple of Hkv)")
     b = page_table.shape[0] if page_table.dim() == 2 else -1
     if b < 1 or kv_base.shape != (b,) or q_seq.shape != (t,) or q_pos.shape != (t,):
-        raise ValueError(f"page_table must be [B, W] with kv_base [B], q_seq and q_pos [T={t}]; "
+        raise ValueError(f"page_table must be [B, R] with kv_base [B], q_seq and q_pos [T={t}]; "
                          f"got {tuple(page_table.shape)}, {tuple(kv_base.shape)}, "
                          f"{tuple(q_seq.shape)}, {tuple(q_pos.shape)}")
 
@@ -104,7 +106,7 @@ def _rows(q, k_cache, v_cache, page_table, kv_base, q_seq, q_pos, window, scale,
     # One page-table row per query: gather each query's row, mask what it may not see.
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
-    table = page_table[q_seq]  # [T, W]
+    table = page_table[q_seq]  # [T, R]
     k = k_cache[table].reshape(t, -1, hkv, d)  # [T, S, Hkv, D]
     v = v_cache[table].reshape(t, -1, hkv, d)
     k_pos = kv_base[q_seq][:, None] + torch.arange(k.shape[1], device=q.device)[None, :]

@@ -30,7 +30,7 @@ SIGNATURE = (
     "-> (q[T,Hq,D] bf16, k_cache, v_cache)"
 )
 AXES = {"T": "tokens (varies)", "Hq": "query heads/rank", "Hkv": "KV heads/rank", "D": "head_dim",
-        "page": "KV cache page size", "P": "pages in the layer's cache"}
+        "page": "KV cache page size", "P": "pages in the layer's cache (varies)"}
 # Outputs that are inputs updated in place: output index -> argument name.
 INPLACE = {1: "k_cache", 2: "v_cache"}
 
@@ -105,8 +105,10 @@ def _fma_rope(q, k, q_weight, k_weight, cos, sin, eps):
 
 NUMERICS = Numerics(
     kind="ulp",
-    max_ulp=1,
-    # The head_dim=128 norm reduction order may differ; RoPE itself is elementwise.
+    # The head_dim=128 norm reduction order may differ; RoPE itself is elementwise, but a 1-ulp
+    # flip of the BF16-rounded normed q/k feeds two products and a cancelling sum, which can
+    # land 2 ulps from the reference on rare elements.
+    max_ulp=2,
     max_mismatch_fraction=1e-3,
     near_misses={"rope_on_unrounded_norm": _with_write(_rope_on_unrounded_norm),
                  "fma_rope": _with_write(_fma_rope)},

@@ -29,7 +29,7 @@ SIGNATURE = (
     "v_cache[P,page,Hkv,D] bf16, slots[T] int64) -> (q[T,Hq,D] bf16, k_cache, v_cache)"
 )
 AXES = {"T": "tokens (varies)", "Hq": "query heads/rank", "Hkv": "KV heads/rank", "D": "head_dim",
-        "page": "KV cache page size", "P": "pages in the layer's cache"}
+        "page": "KV cache page size", "P": "pages in the layer's cache (varies)"}
 # Outputs that are inputs updated in place: output index -> argument name.
 INPLACE = {1: "k_cache", 2: "v_cache"}
 
@@ -76,7 +76,9 @@ def _scale_unrounded_norm(q, k, q_weight, k_weight, positions, eps):
 
 NUMERICS = Numerics(
     kind="ulp",
-    max_ulp=1,
+    # A 1-ulp flip of the BF16-rounded normed q (another reduction order) times tau rounds
+    # again: up to 2 ulps from the reference on rare elements.
+    max_ulp=2,
     max_mismatch_fraction=1e-3,
     near_misses={
         "zero_based_position": _with_write(_zero_based_position),

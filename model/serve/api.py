@@ -230,7 +230,8 @@ class ServeOptions:
     served_model_name: str | None = None
     tp: int | None = None  # tensor-parallel ranks (model/serve/tp_worker.py)
     ep: int | None = None
-    attention_backend: str | None = None  # auto | torch | flashinfer
+    attention_backend: str | None = None  # model/serve/attention_backends.py
+    registry: str | None = None  # registry DIR of the kernels and the lock
 
 
 def model_path(opts: ServeOptions, say: Callable[[str], None] = print) -> Path:
@@ -250,7 +251,7 @@ def engine_config(opts: ServeOptions, path: Path):
 
     given = {name: getattr(opts, name) for name in (
         "device", "dtype", "kernels", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
-        "gpu_memory_utilization", "tp", "ep", "attention_backend")
+        "gpu_memory_utilization", "tp", "ep", "attention_backend", "registry")
         if getattr(opts, name) is not None}
     return EngineConfig(model=str(path), **given)
 

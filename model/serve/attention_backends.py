@@ -11,9 +11,10 @@ overrides that one op, for an experiment or a comparison:
     flashinfer           attention/flashinfer_v1 (FlashInfer's paged kernels; CUDA only)
     <variant>            any recorded variant of the op, e.g. agent_0007
 
-A named variant must be recorded, match its record's sha256, and be built for this arch
-(the same checks as a locked one); where it cannot serve, the engine refuses to start and says
-why, instead of silently running something else.
+A named variant must be recorded (a candidate will do: naming it is the review), match its
+record's sha256, have passed verification on this arch and be runnable here: the checks a locked
+variant passes. Where it cannot serve, the engine refuses to start and says why, instead of
+silently running something else.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import re
 
 import torch
 
-from ..dispatch import load_locked
 from ..ops import OP_NAMES, OpTable, contract
 from ..registry import LockEntry, Registry, RegistryError, current_arch, gpu_name
+from ..registry.runtime import load_locked, machine_problem
 
 OP = "attention"
 BACKENDS: dict[str, str | None] = {
@@ -66,13 +67,18 @@ def select(name: str, ops: OpTable, device: torch.device, dtype: torch.dtype,
         return with_impl(ops, OP, contract(OP).reference, "reference"), \
             f"attention: reference (--attention-backend {name})"
     reg = Registry(registry)
-    why = _refusal(reg, variant, dtype)
+    found = _entry(reg, variant, dtype)
     call = None
-    if why is None:
-        record = reg.read_record(OP, variant) or {}
+    if isinstance(found, str):
+        why = found
+    else:
         arch = current_arch(device)
-        call, why = load_locked(reg, OP, LockEntry(variant, record.get("sha256", "")), arch,
-                                gpu_name(device) if arch != "cpu" else "cpu")
+        # What this machine cannot run is the first thing to say (a GPU library on a CPU).
+        why = machine_problem(reg.read_variant(OP, variant)[0], arch)
+        if why is None:
+            call, why = load_locked(reg, OP, found, arch,
+                                    gpu_name(device) if arch != "cpu" else "cpu",
+                                    allow_candidates=True)
     if call is None:
         raise ValueError(f"attention backend {name!r} ({OP}/{variant}) cannot serve here: {why}; "
                          "use --attention-backend auto (the lock) or torch")
@@ -80,15 +86,19 @@ def select(name: str, ops: OpTable, device: torch.device, dtype: torch.dtype,
         f"attention: {variant} (--attention-backend {name})"
 
 
-def _refusal(reg: Registry, variant: str, dtype: torch.dtype) -> str | None:
+def _entry(reg: Registry, variant: str, dtype: torch.dtype) -> LockEntry | str:
+    """A lock entry for the recorded variant (its file hash and configs), or why there is none."""
     if dtype != torch.bfloat16:
         return f"registry variants implement the BF16 contract, the model runs {dtype}"
     try:
         if not reg.variant_path(OP, variant).is_file():
             return f"the registry {reg.root} has no {OP}/{variant}.py"
-        if reg.read_record(OP, variant) is None:
+        rec = reg.read_record(OP, variant)
+        if rec is None:
             return f"{OP}/{variant} has no record (record it before serving with it)"
+        configs = reg.read_configs(OP, variant) if rec.status == "accepted" \
+            else rec.proposed_configs
+        return LockEntry(variant, rec.variant.sha256, configs.sha256)
     except (RegistryError, ValueError) as exc:
         return str(exc)
-    return None
 

@@ -51,6 +51,7 @@ class EngineConfig:
     # The attention op's variant: auto (the lock) | torch | triton | flashinfer | a variant name
     # (model/serve/attention_backends.py).
     attention_backend: str = "auto"
+    registry: str | None = None  # the registry DIR kernels and their lock come from (None: default)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -91,6 +92,7 @@ def load_engine_model(config: EngineConfig) -> BeamForCausalLM:
     kwargs = {"dtype": config.torch_dtype, "device": str(config.resolved_device())}
     if "kernels" in inspect.signature(weights.load_model).parameters:
         kwargs["kernels"] = config.kernels
+        kwargs["registry"] = config.registry
     return weights.load_model(config.model, **kwargs)
 
 
@@ -121,7 +123,8 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.cache)
         self.runner = ModelRunner(self.model, self.cache, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, cuda_graphs=config.cuda_graphs,
-                                  attention_backend=config.attention_backend)
+                                  attention_backend=config.attention_backend,
+                                  registry=config.registry)
         self.sampler = Sampler()
         eos = self.model_config.eos_token_id
         self.stop_token_ids = frozenset(

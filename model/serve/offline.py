@@ -57,6 +57,7 @@ class GenerateRequest:
     tp: int | None = None
     ep: int | None = None
     attention_backend: str | None = None
+    registry: str | None = None
 
 
 def run_generate(req: GenerateRequest) -> tuple[CompletionResult | None, LLMEngine | None]:
@@ -67,7 +68,8 @@ def run_generate(req: GenerateRequest) -> tuple[CompletionResult | None, LLMEngi
     model = req.model if req.model is not None else ensure_demo_checkpoint()
     names = {f.name for f in fields(EngineConfig)}
     given = {k: getattr(req, k) for k in ("device", "dtype", "kernels", "max_model_len",
-                                          "cuda_graphs", "tp", "ep", "attention_backend")
+                                          "cuda_graphs", "tp", "ep", "attention_backend",
+                                          "registry")
              if getattr(req, k) is not None}
     config = EngineConfig(model=str(model), **{k: v for k, v in given.items() if k in names},
                           max_num_seqs=1)

@@ -42,7 +42,8 @@ def _long(values, device) -> torch.Tensor:
 class ModelRunner:
     def __init__(self, model: BeamForCausalLM, cache: PagedKVCache, *, max_num_seqs: int,
                  max_model_len: int, cuda_graphs: bool = False,
-                 batched_decode: bool | None = None, attention_backend: str = "auto") -> None:
+                 batched_decode: bool | None = None, attention_backend: str = "auto",
+                 registry: str | None = None) -> None:
         self.model = model
         self.cache = cache
         self.device = model.device
@@ -58,7 +59,7 @@ class ModelRunner:
             model.inv_freq = model.inv_freq.to(self.device)
         # The attention op's implementation: the lock's, or the one --attention-backend names.
         ops, note = attention_backends.select(attention_backend, model.ops, self.device,
-                                              model.dtype)
+                                              model.dtype, registry)
         model.set_ops(ops)
         self.attention_backend = attention_backend
         self.notes.append(note)

@@ -156,7 +156,8 @@ def start_rank(config: EngineConfig, group: TPGroup) -> tuple[RankEngine, TPGrou
           file=sys.stderr, flush=True)
     control = control_group(group)
     model = load_model(config.model, dtype=config.torch_dtype, device=str(group.device),
-                       tp=group.size, rank=group.rank, ep=config.ep, kernels=config.kernels)
+                       tp=group.size, rank=group.rank, ep=config.ep, kernels=config.kernels,
+                       registry=config.registry)
     attach(model, group)
     engine = RankEngine(replace(config, cuda_graphs=False), model, control)
     pages = {name: pool.num_pages for name, pool in engine.cache.pools.items()}

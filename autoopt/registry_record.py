@@ -1,0 +1,107 @@
+"""Record a variant already in a registry (a hand-written one): verify, time, write the record.
+
+`autoopt registry record OP VARIANT` and benchmarks/gpu_kernels.py both end in
+`record_evidence`, which hands the judge's report and the timing rows to the registry's one
+writer for this change (`model.registry.writers.record`): verification is kept per arch (this
+machine's), benchmark rows per GPU. The judge is reached through two entry points only,
+`autoopt.eval.verify_variant` and `autoopt.eval.bench_op`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from model.registry import Record, Registry, Verification, current_arch, writers
+
+
+def verify(op: str, path: Path, device: str, seeds: Sequence[int],
+           shapes: list[dict] | None = None, timeout_s: float = 600) -> dict[str, Any]:
+    """The judge's report on `path` (a dict); shapes None: the judge's defaults."""
+    from autoopt.eval import verify_variant
+
+    return verify_variant(op, path, device=device, seeds=list(seeds), shapes=shapes,
+                          timeout_s=timeout_s).to_dict()
+
+
+def bench_plan(op: str, device: str, target: str | None = None,
+               tokens: Sequence[int] | None = None) -> list[tuple[str, dict]]:
+    """(target name, shape) pairs to time: the target's shapes of `op` at its batch sizes, else
+    the judge's default shapes for the device."""
+    if target is None:
+        from autoopt.eval import default_shapes
+
+        label = "-" if device.startswith("cuda") else "cpu-tiny"
+        return [(label, s) for s in default_shapes(op, device, list(tokens) if tokens else None)]
+    from autoopt.targets import load_target
+
+    t = load_target(target)
+    shapes = [t.op_shapes(b)[op] for b in t.batch_sizes if op in t.op_shapes(b)]
+    if not shapes:
+        raise ValueError(f"target {t.name} has no {op} call; pick another op or target")
+    return [(t.name, dict(s)) for s in shapes]
+
+
+def bench(op: str, path: Path, plan: Sequence[tuple[str, dict]], device: str, *,
+          warmup: int = 10, iters: int = 50, compile: bool = True,
+          timeout_s: float = 900) -> list[dict[str, Any]]:
+    """Timing rows of reference, torch.compile and the variant, each labelled with its target."""
+    from autoopt.eval import bench_op
+
+    rows = bench_op(op, path, [s for _, s in plan], device, warmup=warmup, iters=iters,
+                    compile=compile, timeout_s=timeout_s)
+    targets = {json.dumps(s, sort_keys=True): t for t, s in plan}
+    out = []
+    for row in rows:
+        d = row.to_dict()
+        out.append({**d, "target": targets.get(json.dumps(d["shape"], sort_keys=True), "-")})
+    return out
+
+
+def record_evidence(reg: Registry, op: str, name: str, device: str, report: Mapping[str, Any],
+                    rows: Sequence[Mapping[str, Any]], agent: str = "hand-written") -> Record:
+    """Write the report (as this machine's arch's verification) and rows into the record. A
+    report that names no file hash is taken to be of the file as it is now."""
+    sha = reg.read_variant(op, name)[0].sha256
+    check = Verification.from_report(current_arch(device), report, sha, f"{op}/{name}.py")
+    return writers.record(reg, op, name, [check], rows, agent)
+
+
+@dataclass(frozen=True)
+class RecordArgs:
+    op: str
+    variant: str
+    device: str = "auto"
+    seeds: tuple[int, ...] = (0, 1, 2)
+    tokens: tuple[int, ...] = ()
+    target: str | None = None
+    bench: bool = True
+    warmup: int = 10
+    iters: int = 50
+    compile: bool = True
+    timeout_s: float = 600
+    agent: str = "hand-written"
+
+
+def record_variant(reg: Registry, args: RecordArgs) -> tuple[Record, dict, list[dict]]:
+    """Verify and (unless args.bench is False, or it was rejected) time a registry variant on
+    this machine, and record both."""
+    from autoopt.eval.commands import resolve_device
+
+    device = resolve_device(args.device)
+    reg.read_variant(args.op, args.variant)  # exists and is a safe file, or a clear error
+    path = reg.variant_path(args.op, args.variant)
+    from autoopt.eval import default_shapes
+
+    shapes = default_shapes(args.op, device, list(args.tokens) or None)
+    report = verify(args.op, path, device, args.seeds, shapes, args.timeout_s)
+    rows: list[dict] = []
+    if args.bench and report.get("verdict") == "pass":
+        plan = bench_plan(args.op, device, args.target, args.tokens or None)
+        rows = bench(args.op, path, plan, device, warmup=args.warmup, iters=args.iters,
+                     compile=args.compile, timeout_s=args.timeout_s)
+    rec = record_evidence(reg, args.op, args.variant, device, report, rows, args.agent)
+    return rec, report, rows
