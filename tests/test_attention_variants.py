@@ -94,11 +94,12 @@ def test_qkv_gate_proj_triton_v1_passes_the_harness(variants, config):
 def test_qkv_gate_proj_outputs_are_views_of_one_gemm(variants):
     c = contract("qkv_gate_proj")
     x, w, hq, hkv = c.make_inputs({"T": 3, "H": 64, "Hq": 6, "Hkv": 1, "D": 16}, 0)
-    q, k, v, g = variants["qkv_gate_proj", "triton_v1"].run(x, w, hq, hkv)
-    base = q.untyped_storage().data_ptr()
-    assert all(t.untyped_storage().data_ptr() == base for t in (k, v, g))
-    assert (q.shape, k.shape, v.shape, g.shape) == ((3, 6, 16), (3, 1, 16), (3, 1, 16),
-                                                    (3, 6, 16))
+    for run in (variants["qkv_gate_proj", "triton_v1"].run, c.reference):
+        q, k, v, g = run(x, w, hq, hkv)  # one GEMM output, four views: no copies
+        base = q.untyped_storage().data_ptr()
+        assert all(t.untyped_storage().data_ptr() == base for t in (k, v, g))
+        assert (q.shape, k.shape, v.shape, g.shape) == ((3, 6, 16), (3, 1, 16), (3, 1, 16),
+                                                        (3, 6, 16))
 
 
 @pytest.mark.slow

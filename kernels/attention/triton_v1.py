@@ -12,10 +12,10 @@ Decode (one page-table row per query, B == T): two launches over a grid (T, Hkv,
 visible keys cut into SPLITS contiguous chunks of BLOCK_N-key blocks:
   1. scores: s = bf(q . k) (FP32 accumulation), s' = bf(f32(s) * scale), stored BF16 to a
      workspace; per split the running max m_i and sum l_i = sum exp(s' - m_i) (online).
-  2. P.V: m = max_i m_i, l = sum_i l_i * exp(m_i - m) (split order); P = bf(exp(s' - m) / l)
-     (IEEE divide); the split's partial o_i = sum P . v in FP32; the last program of each
-     (token, KV head) to finish (an atomic ticket) sums the partials in split order and rounds
-     once: out = bf(sum_i o_i).
+  2. P.V: m = max_i m_i, l = sum_i l_i * exp(m_i - m) (a fixed tree over the splits);
+     P = bf(exp(s' - m) / l) (IEEE divide); the split's partial o_i = sum P . v in FP32; the
+     last program of each (token, KV head) to finish (an atomic ticket) sums the partials, a
+     fixed order (chunks of COMBINE splits, in order), and rounds once: out = bf(sum_i o_i).
 Rounding points kept, as the eager reference: BF16 scores, BF16 scaled scores, masking by
 exclusion (the reference's additive finfo.min mask underflows exp to exactly 0), FP32 softmax
 (exact max, expf, IEEE divide) rounded to BF16, BF16 P.V operands with FP32 accumulation and one
@@ -36,9 +36,10 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-CONFIG_SPACE = {"SPLITS": [0, 1, 2, 4, 8, 16, 32, 64], "BLOCK_N": [16, 32, 64, 128],
+CONFIG_SPACE = {"SPLITS": [0, 1, 2, 4, 8, 16, 32, 64, 128], "BLOCK_N": [16, 32, 64, 128],
                 "num_warps": [2, 4, 8]}
-# SPLITS 0: enough splits to give every SM about two programs (from T * Hkv), at most 64.
+# SPLITS 0: about two programs per SM (from T * Hkv), a power of two, at most 64: the split
+# partials are summed by one program, so more splits cost more at the end.
 DEFAULT_CONFIG = {"SPLITS": 0, "BLOCK_N": 64, "num_warps": 4}
 ARCHS = None  # any: Triton on CUDA GPUs, the interpreter on the CPU
 _TICKETS: dict[tuple[str, int], torch.Tensor] = {}
@@ -145,7 +146,7 @@ def _attention_pv_kernel(v_ptr, table_ptr, base_ptr, q_seq_ptr, q_pos_ptr, s_ptr
                          part_ptr, ticket_ptr, out_ptr, W, SMAX, HQ, HKV, G, o_st,
                          WINDOW: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                         ON_GPU: tl.constexpr):
+                         COMBINE: tl.constexpr, ON_GPU: tl.constexpr):
     t, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row, lo, start, end, base = _key_range(q_seq_ptr, q_pos_ptr, base_ptr, t, split, WINDOW,
                                            SPLITS, BLOCK_N)
@@ -161,10 +162,7 @@ def _attention_pv_kernel(v_ptr, table_ptr, base_ptr, q_seq_ptr, q_pos_ptr, s_ptr
     m = tl.max(m_i, axis=1)
     m = tl.where(m == float("-inf"), 0.0, m)  # padded head rows only
     scaled = tl.where(m_i == float("-inf"), 0.0, l_i * _exp(m_i - m[:, None], ON_GPU))
-    total = tl.zeros([BLOCK_G], tl.float32)
-    for i in tl.static_range(SPLITS):  # split order (0 + x is exact)
-        total += tl.sum(tl.where(sp[None, :] == i, scaled, 0.0), axis=1)
-    total = tl.where(gmask, total, 1.0)
+    total = tl.where(gmask, tl.sum(scaled, axis=1), 1.0)  # the same tree in every program
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     srow = s_ptr + (t.to(tl.int64) * HQ + heads) * SMAX
     for kb in range(start, end, BLOCK_N):
@@ -186,14 +184,26 @@ def _attention_pv_kernel(v_ptr, table_ptr, base_ptr, q_seq_ptr, q_pos_ptr, s_ptr
         tl.store(part + d[None, :], acc, mask=gmask[:, None])
         tl.debug_barrier()  # every thread's partial is stored before the ticket is taken
         ticket = tl.atomic_add(ticket_ptr + t * HKV + h, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLITS - 1:  # the last split of this (token, KV head): combine in order
-            first = part_ptr + ((t.to(tl.int64) * HQ + heads) * SPLITS)[:, None] * D
-            o = tl.load(first + d[None, :], mask=gmask[:, None], other=0.0, cache_modifier=".cg")
-            for i in tl.static_range(1, SPLITS):
-                o += tl.load(first + i * D + d[None, :], mask=gmask[:, None], other=0.0,
-                             cache_modifier=".cg")
+        if ticket == SPLITS - 1:  # the last split of this (token, KV head) combines them
+            o = _combine(part_ptr, t, heads, gmask, HQ, D, BLOCK_G, SPLITS, COMBINE)
             tl.store(out, _f32_to_bf16(o), mask=gmask[:, None])
             tl.atomic_xchg(ticket_ptr + t * HKV + h, 0)  # ready for the next call (and replay)
+
+
+@triton.jit
+def _combine(part_ptr, t, heads, gmask, HQ, D: tl.constexpr, BLOCK_G: tl.constexpr,
+             SPLITS: tl.constexpr, COMBINE: tl.constexpr):
+    # sum_i o_i over the FP32 split partials [.., SPLITS, D] of these heads: COMBINE splits per
+    # load (a tree inside, chunks in order), read from L2 (.cg: other programs wrote them).
+    c = tl.arange(0, COMBINE)
+    d = tl.arange(0, D)
+    rows = ((t.to(tl.int64) * HQ + heads) * SPLITS)[None, :, None]  # [1, BLOCK_G, 1]
+    mask = gmask[None, :, None] & (c[:, None, None] >= 0)
+    o = tl.zeros([BLOCK_G, D], tl.float32)
+    for i0 in range(0, SPLITS, COMBINE):
+        ptr = part_ptr + (rows + (i0 + c)[:, None, None]) * D + d[None, None, :]
+        o += tl.sum(tl.load(ptr, mask=mask, other=0.0, cache_modifier=".cg"), axis=0)
+    return o
 
 
 def _check(q, k_cache, v_cache, page_table, kv_base, q_seq, q_pos) -> None:
@@ -222,8 +232,8 @@ def _splits(cfg_splits: int, tokens: int, hkv: int, device: torch.device) -> int
         return cfg_splits
     sms = torch.cuda.get_device_properties(device).multi_processor_count \
         if device.type == "cuda" else 4
-    want = max(1, -(-2 * sms // max(tokens * hkv, 1)))
-    return min(64, 1 << (want - 1).bit_length())
+    want = min(64, max(1, 2 * sms // max(tokens * hkv, 1)))
+    return 1 << (want.bit_length() - 1)  # the power of two at or below
 
 
 def _tickets(device: torch.device, n: int) -> torch.Tensor:
@@ -262,7 +272,7 @@ def decode_attention(q, k_cache, v_cache, page_table, kv_base, q_seq, q_pos, win
                                    l_sum, scale, w, s_max, hq, hkv, g, q.stride(0), **meta)
     _attention_pv_kernel[grid](v_cache, page_table, kv_base, q_seq, q_pos, scores, m, l_sum,
                                part, _tickets(q.device, t * hkv), out, w, s_max, hq, hkv, g,
-                               out.stride(0), **meta)
+                               out.stride(0), COMBINE=min(splits, 4), **meta)
     return out
 
 

@@ -134,15 +134,7 @@ class DecodeGraphs:
             buf[:b].copy_(torch.tensor(values + [0] * pad, dtype=torch.long))
         self.full_table[:b].copy_(torch.tensor(full + [[0] * self.full_width] * pad))
         self.swa_table[:b].copy_(torch.tensor(swa + [[0] * self.swa_width] * pad))
-        self._plan(b, chunks)
         return b
-
-    def _plan(self, b: int, chunks: Sequence) -> None:
-        """A backend that plans per step (FlashInfer) rewrites bucket b's static page-table
-        buffers, outside the graph, before every warm-up, capture and replay."""
-        plan = getattr(self.runner.model.attention_backend, "plan_graph", None)
-        if plan is not None:
-            plan(b, chunks)
 
     @torch.no_grad()
     def run(self, chunks: Sequence, replay: bool | None = None) -> torch.Tensor:
@@ -164,7 +156,6 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         try:
             for b in reversed(self.buckets):
-                self._plan(b, [])  # every row padded: the null page
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
