@@ -14,7 +14,7 @@ from pathlib import Path
 
 import typer
 
-from . import __version__, cli_optimize, cli_registry, cli_serve
+from . import __version__, cli_bench, cli_optimize, cli_registry, cli_serve
 from .console import make_console
 
 app = typer.Typer(
@@ -119,6 +119,9 @@ class ProfileArgs:
     proxy: bool
     backend: str | None
     compare: tuple[Path, Path] | None
+    eager: bool = False
+    attention_backend: str = "auto"
+    ncu_sample: int = 0
 
 
 @app.command()
@@ -130,13 +133,21 @@ def profile(
     kernels: str = typer.Option(None, help="reference (default), tuned, or a lock file path."),
     out: Path = typer.Option(None, help="Output directory (default runs/<time>-profile-<target>)."),
     proxy: bool = typer.Option(False, help="Run a GPU target on another GPU at its shapes."),
-    backend: str = typer.Option(None, help="auto (default: ncu if present), ncu or torch."),
+    backend: str = typer.Option(None, help="auto or torch (torch.profiler); ncu adds a sampled "
+                                "Nsight Compute pass over the top ops' kernels."),
     compare: tuple[Path, Path] = typer.Option(None, help="Two profile.json files side by side."),
+    eager: bool = typer.Option(False, "--eager", help="Profile the eager step instead of the "
+                               "CUDA-graph replay the server runs."),
+    attention_backend: str = typer.Option("auto", "--attention-backend",
+                                          help="auto, torch or flashinfer."),
+    ncu_sample: int = typer.Option(0, "--ncu-sample", help="Nsight Compute on at most N "
+                                   "kernels of the top ops (0: none)."),
 ) -> None:
-    """Profile one step of a target: time, kernels, bytes and floor per op."""
+    """Profile the served step of a target: time, kernels, bytes and floor per op."""
     from .profiler.report import profile_command
 
-    args = ProfileArgs(target, batch, layers, context, kernels, out, proxy, backend, compare)
+    args = ProfileArgs(target, batch, layers, context, kernels, out, proxy, backend, compare,
+                       eager, attention_backend, ncu_sample)
     raise typer.Exit(profile_command(args, console))
 
 
@@ -184,32 +195,8 @@ def verify(
     raise typer.Exit(code)
 
 
-@app.command()
-def bench(
-    op: str = typer.Option(..., "--op", help="Op name (registry key), e.g. swiglu."),
-    variant: str = typer.Option(None, "--variant", help="Variant NAME (default: reference only)."),
-    source: Path = typer.Option(None, "--source", help="A variant file outside any registry."),
-    registry: Path = typer.Option(None, "--registry", help="Registry DIR (default: kernels/)."),
-    target: str = typer.Option(None, "--target", help="Target whose shapes to time."),
-    tokens: str = typer.Option(None, help="Token counts, e.g. 1,8,32 (default: the op's)."),
-    device: str = typer.Option("auto", help="cpu, cuda or auto (cuda when present)."),
-    warmup: int = typer.Option(10, help="Warm-up calls before timing."),
-    iters: int = typer.Option(50, help="Timed samples (graph replays on cuda)."),
-    compile_: bool = typer.Option(True, "--compile/--no-compile",
-                                  help="Also time torch.compile of the reference."),
-    json_out: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
-) -> None:
-    """Time reference, torch.compile and a variant: median, IQR, ratios, % of floor."""
-    from .eval.commands import BenchArgs, bench_command
-
-    args = BenchArgs(op, variant, source, registry, target, tokens, device, warmup, iters,
-                     compile_, json_out)
-    try:
-        code = bench_command(args, console)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        make_console(stderr=True).print(f"[red]error:[/] {exc}")
-        raise typer.Exit(2) from None
-    raise typer.Exit(code)
+# `bench op` / `bench model` (and `bench --op X`) live in cli_bench.py
+cli_bench.register(app)
 
 
 # ---- optimize (cli_optimize.py), the registry and its `review` alias (cli_registry.py) ----------

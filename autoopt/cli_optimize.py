@@ -1,4 +1,4 @@
-"""`autoopt optimize`: the agent loop's flags (issue 6).
+"""`autoopt optimize`: the agent loop's flags.
 
 Registered on the app by `autoopt/cli.py` through `register`, which keeps the `--help` order.
 """
@@ -19,7 +19,7 @@ def register(app: typer.Typer) -> None:
     app.command()(optimize)
 
 
-# ---- optimize (issue 6) ----------------------------------------------------------------
+# ---- optimize -------------------------------------------------------------------------------
 def _fail(exc: BaseException, code: int = 2) -> typer.Exit:
     make_console(stderr=True).print(f"[red]error:[/] {exc}")
     return typer.Exit(code)
@@ -31,7 +31,9 @@ def optimize(
     agent: str = typer.Option(None, "--agent", help="template or claude (default: claude when "
                               "ANTHROPIC_API_KEY is set, else template)."),
     ops: str = typer.Option(None, "--ops", help="Only these ops, comma-separated."),
-    budget: str = typer.Option("30m", help="Wall-time budget for the agent sessions (30m, 90s)."),
+    budget: str = typer.Option("30m", help="Wall-time budget of the whole command, profiling "
+                               "and the end-to-end check included (30m, 90s); the plan is "
+                               "printed first."),
     max_candidates: int = typer.Option(4, help="Proposals evaluated per op at most."),
     proxy: bool = typer.Option(False, "--proxy", help="Tune on this GPU at the target's shapes."),
     layers: int = typer.Option(None, help="Layers of the profiled step (default: target's)."),
@@ -52,8 +54,10 @@ def optimize(
     verify_tokens: str = typer.Option(None, help="Token counts of verify shapes (default: the "
                                       "harness's)."),
     bench_iters: int = typer.Option(50, help="Timed samples per benchmark."),
-    e2e: bool = typer.Option(True, "--e2e/--no-e2e", help="End-to-end check of the new set."),
-    profile_backend: str = typer.Option("auto", help="Profiler: auto, ncu or torch."),
+    e2e: bool = typer.Option(True, "--e2e/--no-e2e", help="End-to-end check of the new set "
+                             "(bench model: reference vs tuned vs the run's set)."),
+    profile_backend: str = typer.Option("auto", help="Profiler: auto or torch (torch.profiler);"
+                                        " ncu adds a sampled Nsight Compute pass."),
     model: str = typer.Option(None, help="Claude model (default claude-sonnet-5-5)."),
     max_turns: int = typer.Option(None, help="Claude API calls per op at most."),
     max_tokens: int = typer.Option(None, help="Claude tokens per reply at most."),

@@ -170,7 +170,7 @@ def serve(
     from . import env
     from .review_web import serve as serve_web
 
-    err = Console(stderr=True)
+    err = make_console(stderr=True)
     try:
         serve_web(env.open_registry(registry), runs_dir or env.runs_dir(), host, port,
                   say=lambda t: console.print(t, highlight=False, markup=False, soft_wrap=True),

@@ -1,4 +1,4 @@
-"""`autoopt generate` and `autoopt serve`: the serving commands' flags (issue 3).
+"""`autoopt generate` and `autoopt serve`: the serving commands' flags.
 
 Registered on the app by `autoopt/cli.py` through `register`, which keeps the `--help` order.
 """
@@ -21,7 +21,7 @@ def register(app: typer.Typer) -> None:
     app.command()(serve)
 
 
-# ---- serving (issue 3) -------------------------------------------------------------------------
+# ---- generate ----------------------------------------------------------------------------------
 ATTENTION_HELP = ("which variant of the registry's attention op serves: auto (the lock's, "
                   "default), torch (the reference), triton, flashinfer (GPU), or a variant name.")
 REGISTRY_HELP = ("Registry DIR the kernels and their lock come from (default: $AUTOOPT_REGISTRY, "
@@ -50,7 +50,7 @@ class GenerateArgs:
     max_model_len: int | None
     cuda_graphs: bool | None
     json: bool
-    tp: int | None = None  # issue 7
+    tp: int | None = None
     ep: int | None = None
     attention_backend: str | None = None
     registry: str | None = None
@@ -85,18 +85,19 @@ def generate(
     import json
     from dataclasses import asdict
 
-    from model.serve.offline import GenerateRequest, run_generate
-    from model.serve.sampler import RequestError
+    from autoopt.env import demo_checkpoint_dir
+    from model.parallel import TPError
+    from model.serve.engine.offline import GenerateRequest, run_generate
+    from model.serve.engine.sampler import RequestError
 
     fields = {k: v for k, v in asdict(args).items() if k != "json"}
-    from model.parallel import TPError
-
     try:
-        result, engine = run_generate(GenerateRequest(**fields))
+        result, engine = run_generate(GenerateRequest(**fields,
+                                                      demo_checkpoint=demo_checkpoint_dir()))
     except (RequestError, ValueError) as exc:
         make_console(stderr=True).print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
-    except TPError as exc:  # a rank died or failed (issue 7)
+    except TPError as exc:  # a rank died or failed
         make_console(stderr=True).print("error: " + str(exc), markup=False, highlight=False,
                                          soft_wrap=True)
         raise typer.Exit(1) from None
@@ -112,7 +113,7 @@ def generate(
         print(result.text if engine.tokenizer is not None else result.token_ids)
 
 
-# ---- serve (issue 3b) --------------------------------------------------------------------------
+# ---- serve -------------------------------------------------------------------------------------
 def serve(
     model: Path = typer.Option(None, "--model", help="Checkpoint directory (default: the demo)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
@@ -126,7 +127,21 @@ def serve(
                                                help="Tokens per step (chunked prefill)."),
     gpu_memory_utilization: float = typer.Option(None, "--gpu-memory-utilization",
                                                  help="Fraction of GPU memory to use."),
-    api_key: str = typer.Option(None, "--api-key", help="Require this bearer / x-api-key."),
+    api_key: str = typer.Option(None, "--api-key", help="Require this bearer / x-api-key "
+                                "(default: $AUTOOPT_API_KEY; none: no key)."),
+    allowed_origins: list[str] = typer.Option(
+        None, "--allowed-origins", help="Web origins allowed to call the server, e.g. "
+        "http://localhost:3000 (repeat or comma-separate; '*': any). Default: none, so requests "
+        "from web pages are refused."),
+    max_request_bytes: int = typer.Option(None, "--max-request-bytes", help="Largest request "
+                                          "body in bytes, 413 above (default: 16 MiB)."),
+    body_timeout: float = typer.Option(None, "--body-timeout", help="Seconds a request body "
+                                       "may take to arrive, 408 after (default: 30)."),
+    header_timeout: float = typer.Option(None, "--header-timeout", help="Seconds a request's "
+                                         "headers may take to arrive (default: 10)."),
+    batch_invariant: bool = typer.Option(None, "--batch-invariant/--no-batch-invariant",
+                                         help="Greedy tokens that do not depend on batching or "
+                                         "preemption (slower: one forward per token)."),
     served_model_name: str = typer.Option(None, "--served-model-name",
                                           help="Model name in the API (default: the dir name)."),
     tp: int = typer.Option(None, "--tp", help="Tensor-parallel ranks: one process per GPU "
@@ -136,19 +151,33 @@ def serve(
     registry: Path = typer.Option(None, "--registry", help=REGISTRY_HELP),
 ) -> None:
     """Serve a checkpoint over the OpenAI and Anthropic HTTP APIs (no --model: the demo)."""
+    from autoopt.env import demo_checkpoint_dir, serve_api_key
     from model.parallel import TPError
-    from model.serve.api import ServeOptions, run_server
+    from model.serve.http.limits import HTTPLimits
+    from model.serve.http.server import ServeOptions, run_server
 
+    origins = tuple(o.strip() for given in allowed_origins or [] for o in given.split(",")
+                    if o.strip())
+    given = {"max_request_bytes": max_request_bytes, "body_timeout_s": body_timeout,
+             "header_timeout_s": header_timeout}
+    try:
+        limits = HTTPLimits(**{k: v for k, v in given.items() if v is not None})
+    except ValueError as exc:
+        make_console(stderr=True).print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
     opts = ServeOptions(model, host, port, device, dtype, kernels, max_num_seqs, max_model_len,
-                        max_num_batched_tokens, gpu_memory_utilization, api_key, served_model_name,
-                        tp, ep, attention_backend, registry_root(registry))
+                        max_num_batched_tokens, gpu_memory_utilization,
+                        api_key if api_key is not None else serve_api_key(), served_model_name,
+                        tp, ep, attention_backend, registry_root(registry),
+                        demo_checkpoint=demo_checkpoint_dir(),
+                        allowed_origins=origins, limits=limits, batch_invariant=batch_invariant)
     try:
         run_server(opts, say=lambda line: console.print(line, highlight=False, markup=False,
                                                         soft_wrap=True))
     except (ValueError, FileNotFoundError) as exc:
         make_console(stderr=True).print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
-    except TPError as exc:  # a rank died or failed: the group is down (issue 7)
+    except TPError as exc:  # a rank died or failed: the group is down
         make_console(stderr=True).print("error: " + str(exc), markup=False, highlight=False,
                                          soft_wrap=True)
         raise typer.Exit(1) from None

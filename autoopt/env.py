@@ -112,6 +112,11 @@ def demo_checkpoint_dir() -> Path:
     return Path(_get("AUTOOPT_DEMO_CHECKPOINT", str(cache_dir() / "demo-tiny")))
 
 
+def serve_api_key() -> str | None:
+    """`autoopt serve --api-key` when the flag is not given (keeps the key out of `ps`)."""
+    return _get("AUTOOPT_API_KEY") or None
+
+
 def anthropic_api_key() -> str | None:
     # Read here only; never logged, never written to a run directory.
     return _get("ANTHROPIC_API_KEY")

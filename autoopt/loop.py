@@ -1,13 +1,18 @@
-"""The optimize loop: profile -> rank ops by gap -> agent sessions -> registry -> e2e -> report.
+"""The optimize loop: plan -> profile the served step -> rank -> agents -> bench model -> report.
 
 `optimize(args)` resolves the target (a GPU target needs its GPU, or --proxy), builds the agent
-first (a missing API key fails before any work), profiles one step with the tuned set (and once
-with the reference set, `profile_reference.json`, for the report), ranks the ops by time above
-their floor, and runs one budgeted agent session per op: one evaluation worker per visible GPU
-(threads; each worker's candidates are verified and timed in sandboxed child processes on its
-own GPU), one worker on the CPU. Every attempt is checkpointed (runstate.py); winners are
-registered by loop_eval.py's rule. Then the whole step runs with the new kernel set against the
-reference set (output parity and time), and report.py writes `report.md` with plots.
+first (a missing API key fails before any work) and plans the whole command within `--budget`
+(budget.py: the plan is printed up front, every stage has a deadline). It profiles the step as
+the server runs it (the engine, the paged KV cache, CUDA graphs, the tuned set) at each of the
+target's batch sizes the plan covers, ranks the ops by their time above their floor summed over
+those batch sizes, and runs one budgeted agent session per op: one evaluation worker per visible
+GPU (threads; each worker's candidates are verified and timed in sandboxed child processes on
+its own GPU), one worker on the CPU, where candidates are verified and never timed. Every
+attempt is checkpointed (runstate.py); winners are registered by loop_eval.py's rule, with
+configs tuned for every token bucket the target serves. The end-to-end check is `bench model`
+(reference vs tuned vs the run's new set, parity of their outputs), and report.py writes
+`report.md` whose headline is ms per step against the floor, per batch size. Progress goes to
+`run.log` in the run directory and to stderr as plain timestamped lines.
 
 `optimize(resume=run_dir)` continues an interrupted run; replay.py re-evaluates a recorded one.
 """
@@ -26,8 +31,10 @@ from rich.console import Console
 
 from . import env
 from .agents import Limits, OptimizationTask, default_agent, make_agent, run_session
+from .budget import plan_run
 from .console import make_console
 from .loop_eval import HarnessEvaluator, RunContext
+from .runlog import run_log, say, stage
 from .runstate import RunState
 
 _BUDGET = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*$")
@@ -62,7 +69,7 @@ class OptimizeArgs:
     verify_tokens: tuple[int, ...] = ()  # () = the harness's default verification shapes
     bench_iters: int = 50
     e2e: bool = True
-    profile_backend: str = "auto"  # auto (ncu where installed), ncu or torch
+    profile_backend: str = "auto"  # auto/torch: torch.profiler; ncu adds a sampled Nsight pass
     device: str | None = None  # one evaluation worker on this device (default: every GPU)
     model: str | None = None
     max_turns: int | None = None
@@ -137,10 +144,17 @@ def default_target() -> str:
                       "targets lists them) and add --proxy to measure at its shapes here")
 
 
+def served_batches(target: Any) -> tuple[int, ...]:
+    """Batch sizes whose token counts the target's steps run ops at (Target.token_buckets:
+    the decode graph buckets, or the prefill batch sizes)."""
+    return target.token_buckets() if target.phase == "decode" else tuple(target.batch_sizes)
+
+
 def bench_shapes(target: Any, op: str) -> list[dict]:
-    """The op's shape at each of the target's batch sizes (one per token bucket)."""
+    """The op's shape at every token bucket the target serves (tuned configs are kept per
+    bucket: a bucket left untuned would run another bucket's config, never timed there)."""
     out: list[dict] = []
-    for b in target.batch_sizes:
+    for b in served_batches(target):
         shape = target.op_shapes(b).get(op)
         if shape and all(int(shape["T"]) != int(s["T"]) for s in out):
             out.append(dict(shape))
@@ -161,7 +175,8 @@ def _current(ctx: RunContext, op: str) -> tuple[str, str, dict]:
 
 
 def build_task(ctx: RunContext, state: RunState, op: str, device: str) -> OptimizationTask:
-    row = next((r for r in (state.data["profile"] or {}).get("rows", []) if r["op"] == op), {})
+    entry = next((o for o in state.data["ops"] if o["op"] == op), {})
+    row = {k: entry[k] for k in ("time_us", "floor_us", "gap_us", "by_batch") if k in entry}
     name, source, record = _current(ctx, op)
     hw = dataclasses.asdict(ctx.target.hardware)
     return OptimizationTask.build(
@@ -172,10 +187,11 @@ def build_task(ctx: RunContext, state: RunState, op: str, device: str) -> Optimi
 
 # ---- the run ------------------------------------------------------------------------------
 def optimize(args: OptimizeArgs, console: Console | None = None,
-             resume: str | Path | None = None) -> Path:
-    """Run (or resume) an optimize run; returns its run directory."""
+             resume: str | Path | None = None, clock: Any = time.monotonic) -> Path:
+    """Run (or resume) an optimize run within its budget; returns its run directory."""
     from .targets import load_target
 
+    start = clock()
     console = console or make_console()
     if resume is not None:
         state = RunState.load(Path(resume))
@@ -196,22 +212,39 @@ def optimize(args: OptimizeArgs, console: Console | None = None,
         run_dir = runs / f"{time.strftime('%Y%m%d-%H%M%S')}-{target.name}"
         state = RunState.create(run_dir, {**dataclasses.asdict(args), "agent": name},
                                 target.name)
+    with run_log(state.run_dir / "run.log"):
+        return _run(args, target, agent, state, proxy_note, console, start, clock)
+
+
+def _run(args: OptimizeArgs, target: Any, agent: Any, state: RunState, proxy_note: str | None,
+         console: Console, start: float, clock: Any) -> Path:
     ctx = _context(args, target, state.run_dir, proxy_note)
-    console.print(f"[bold]autoopt optimize[/] {target.name} with the {name} agent -> "
-                  f"{state.run_dir}" + (f" ({proxy_note})" if proxy_note else ""))
+    batches = (args.batch,) if args.batch else tuple(target.batch_sizes)
+    plan = plan_run(args.budget_s, "cpu" if not ctx.meaningful else "gpu", batches, args.e2e)
+    ends = plan.deadlines(start)
+    say(f"autoopt optimize {target.name} with the {agent.name} agent -> {state.run_dir}"
+        + (f" ({proxy_note})" if proxy_note else ""))
+    for line in plan.describe():
+        say(line)
+    state.update(plan={"budget_s": plan.budget_s, "profile_batches": list(plan.profile_batches),
+                       "e2e_batches": list(plan.e2e_batches),
+                       "stages": [dataclasses.asdict(s) for s in plan.stages]})
     try:
         if state.data["profile"] is None:
-            _profile(args, target, state, console)
-        if state.data.get("profile_reference") is None:
-            _profile_reference(args, target, state, console)
+            with stage("profile"):
+                _profile(args, target, state, plan.profile_batches, ends["profile"])
         if not state.data["ops"]:
-            _rank(args, agent, state, console)
-        _sessions(args, agent, ctx, state, console)
-        if args.e2e and state.data.get("e2e") is None:
+            _rank(args, agent, state)
+        with stage("sessions"):
+            _sessions(args, agent, ctx, state, console, ends["sessions"],
+                      (plan.min_op_s, plan.min_start_s), clock=clock)
+        if plan.e2e_batches and state.data.get("e2e") is None:
             state.set_phase("e2e")
             from .report import end_to_end
 
-            state.update(e2e=end_to_end(ctx, state, args.batch, args.layers, console))
+            with stage("end-to-end check (bench model)"):
+                state.update(e2e=end_to_end(ctx, state, plan.e2e_batches, args.layers,
+                                            ends["e2e"], clock))
         state.set_phase("done")
     except KeyboardInterrupt:
         state.set_phase("interrupted")
@@ -220,89 +253,113 @@ def optimize(args: OptimizeArgs, console: Console | None = None,
         raise
     from .report import write_report
 
-    report = write_report(state, ctx)
+    with stage("report"):
+        report = write_report(state, ctx)
+    say(f"report: {report} ({clock() - start:.0f} s of a {args.budget_s:.0f} s budget)")
     console.print(f"report: {report}")
     return state.run_dir
 
 
-def _profile(args: OptimizeArgs, target: Any, state: RunState, console: Console) -> None:
-    from .profiler import profile_step
+def _profile(args: OptimizeArgs, target: Any, state: RunState, batches: tuple[int, ...],
+             deadline: float) -> None:
+    from .profiler import profile_batches
+    from .profiler.report import summary, write_outputs
 
     state.set_phase("profiling")
     reg = env.open_registry(args.registry)
     if not reg.root.is_dir():  # a new registry: every op's baseline is the reference
         reg.prepare_write()
     registry = reg.root
-    with console.status(f"profiling one {target.phase} step of {target.name} (tuned)"):
-        prof = profile_step(target, batch=args.batch, layers=args.layers, kernels="tuned",
-                            proxy=args.proxy, backend=args.profile_backend, registry=registry)
-    from .profiler.report import write_outputs
-
-    write_outputs(prof, state.run_dir, "profile_before")  # autoopt profile --compare reads it
-    data = prof.to_dict()
-    state.update(profile={"kernels": "tuned", "rows": data["rows"], "step_us": prof.step_us,
-                          "gpu": prof.gpu, "batch": prof.batch, "layers": prof.layers,
-                          "backend": prof.backend, "meaningful": prof.rates.meaningful})
-
-
-def _profile_reference(args: OptimizeArgs, target: Any, state: RunState,
-                       console: Console) -> None:
-    """The reference set's profile (once per run, the before profile's batch, layers and
-    backend): the report compares it with the tuned set after the run."""
-    from .profiler import profile_step
-    from .profiler.report import write_outputs
-
-    state.set_phase("profiling reference")
-    with console.status(f"profiling one {target.phase} step of {target.name} (reference)"):
-        prof = profile_step(target, batch=args.batch, layers=args.layers, kernels="reference",
-                            proxy=args.proxy, backend=args.profile_backend)
-    json_path, _ = write_outputs(prof, state.run_dir, "profile_reference")
-    state.update(profile_reference=json_path.name)
+    profiles = profile_batches(target, batches, layers=args.layers, kernels="tuned",
+                               proxy=args.proxy, backend=args.profile_backend,
+                               registry=registry, deadline=deadline)
+    by_batch = {}
+    for k, prof in enumerate(profiles):
+        # profile_before.json is the first batch's (autoopt profile --compare reads it).
+        write_outputs(prof, state.run_dir, "profile_before" if k == 0 else
+                      f"profile_before_b{prof.batch}")
+        say(f"batch {prof.batch}: " + "; ".join(summary(prof)[:2]))
+        by_batch[str(prof.batch)] = {"rows": prof.to_dict()["rows"], "step_us": prof.step_us,
+                                     "floor_us": prof.floor_us,
+                                     "graph_step_us": prof.graph_step_us}
+    first = profiles[0]
+    state.update(profile={"kernels": "tuned", "rows": by_batch[str(first.batch)]["rows"],
+                          "by_batch": by_batch, "step_us": first.step_us, "gpu": first.gpu,
+                          "batch": first.batch, "layers": first.layers,
+                          "backend": first.backend, "meaningful": first.rates.meaningful})
 
 
-def _rank(args: OptimizeArgs, agent: Any, state: RunState, console: Console) -> None:
+def rank_rows(profile: dict) -> list[dict]:
+    """Op-contract rows summed over the profiled batch sizes, largest time above floor first."""
     from model.ops import CONTRACTS
 
-    rows = [r for r in state.data["profile"]["rows"] if r["op"] in CONTRACTS]
-    rows.sort(key=lambda r: -(r.get("gap_us") if r.get("gap_us") is not None else r["time_us"]))
+    by_batch = profile.get("by_batch") or {str(profile.get("batch")): {"rows": profile["rows"]}}
+    ops: dict[str, dict] = {}
+    for b, entry in by_batch.items():
+        for r in entry["rows"]:
+            if r["op"] not in CONTRACTS:
+                continue
+            o = ops.setdefault(r["op"], {"op": r["op"], "time_us": 0.0, "floor_us": 0.0,
+                                         "gap_us": 0.0, "by_batch": {}})
+            gap = r.get("gap_us") if r.get("gap_us") is not None else r["time_us"]
+            o["time_us"] += r["time_us"]
+            o["floor_us"] += r.get("floor_us") or 0.0
+            o["gap_us"] += gap
+            o["by_batch"][b] = {"time_us": r["time_us"], "floor_us": r.get("floor_us"),
+                                "gap_us": gap}
+    return sorted(ops.values(), key=lambda o: -o["gap_us"])
+
+
+def _rank(args: OptimizeArgs, agent: Any, state: RunState) -> None:
     wanted = set(args.ops) if args.ops else None
     ops = []
-    for r in rows:
+    for r in rank_rows(state.data["profile"]):
         if wanted is not None and r["op"] not in wanted:
             continue
         status = "pending" if agent.supports(r["op"]) else "skipped"
-        ops.append({"op": r["op"], "status": status, "time_us": r["time_us"],
-                    "floor_us": r.get("floor_us"), "gap_us": r.get("gap_us"),
+        ops.append({**r, "status": status,
                     "note": "" if status == "pending" else f"no {agent.name} proposals for it"})
     state.set_ops(ops)
     listed = ", ".join(o["op"] + ("" if o["status"] == "pending" else "*") for o in ops)
-    console.print(f"ops by gap: {listed}  (* skipped: the {agent.name} agent has nothing for it)")
+    say(f"ops by time above floor (summed over batch sizes): {listed}  (* skipped: the "
+        f"{agent.name} agent has nothing for it)")
 
 
-MIN_OP_S = 30.0  # every op gets at least this long from its start: one proposal, evaluated
-
-
-def _deadline(args: OptimizeArgs, start: float, k: int, n: int, workers: int,
-              now: float | None = None) -> float:
+def _deadline(start: float, end: float, k: int, n: int, workers: int) -> float:
     """Op k of n (rank order) on `workers` workers: ops run in rounds, each round an equal share
-    of the budget; an op starting late (the ones before it overran) still gets MIN_OP_S, so
-    every op is tried at least once and the run overshoots its budget by at most that."""
+    of [start, end]; no op runs past `end`."""
     rounds = -(-n // workers)
-    fair = start + args.budget_s * (k // workers + 1) / rounds
-    return fair if now is None else max(fair, now + MIN_OP_S)
+    return min(end, start + (end - start) * (k // workers + 1) / rounds)
+
+
+def op_deadline(now: float, end: float, remaining: int, min_op_s: float,
+                min_start_s: float = 0.0) -> float | None:
+    """The next op's deadline (one worker): an equal share of what is left, at least
+    `min_op_s` (so that the ops started can finish a proposal rather than every op time out),
+    never past `end`; None: less than `min_start_s` is left."""
+    if end - now < max(min_start_s, 1e-9) or remaining < 1:
+        return None
+    return min(end, now + max((end - now) / remaining, min_op_s))
 
 
 def _sessions(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState,
-              console: Console, mp_context: str = "spawn") -> None:
+              console: Console, end: float, minimums: tuple[float, float] = (0.0, 0.0),
+              mp_context: str = "spawn", clock: Any = time.monotonic) -> None:
     state.set_phase("optimizing")
     ops, devices = state.pending_ops(), _devices(ctx, args.device)
-    start = time.monotonic()
-    console.print(f"{len(ops)} op(s), budget {args.budget_s:.0f} s, {len(devices)} worker(s): "
-                  f"{', '.join(devices)}")
+    start = clock()
+    say(f"{len(ops)} op(s), {max(0.0, end - start):.0f} s for the sessions, {len(devices)} "
+        f"worker(s): {', '.join(devices)}")
     if len(devices) == 1:
         for k, op in enumerate(ops):
-            deadline = _deadline(args, start, k, len(ops), 1, time.monotonic())
-            _one_op(args, agent, ctx, state, op, devices[0], deadline, console)
+            now = clock()
+            # Ops after this one share what is left, so an early finish passes its time on.
+            deadline = op_deadline(now, end, len(ops) - k, *minimums)
+            if deadline is None:
+                state.update_op(op, status="not started", note="the budget was spent")
+                say(f"{op}: not started, {max(0.0, end - now):.0f} s left of the sessions' time")
+                continue
+            _one_op(args, agent, ctx, state, op, devices[0], deadline, console, end)
         return
     # One process per GPU, each pinned with CUDA_VISIBLE_DEVICES before CUDA starts, so the
     # sandboxed verify/bench children it spawns inherit the same GPU.
@@ -315,7 +372,7 @@ def _sessions(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState,
             len(devices), mp_context=mpc, initializer=_worker_init,
             initargs=(_slots(manager, devices),)) as pool:
         futures = [pool.submit(_worker_op, saved, str(state.run_dir), op,
-                               _deadline(args, start, k, len(ops), len(devices)))
+                               _deadline(start, end, k, len(ops), len(devices)), end)
                    for k, op in enumerate(ops)]
         for f in futures:
             f.result()
@@ -341,7 +398,8 @@ def _worker_init(slots: Any) -> None:
     _WORKER["device"] = device
 
 
-def _worker_op(saved: dict, run_dir: str, op: str, deadline: float) -> str:
+def _worker_op(saved: dict, run_dir: str, op: str, deadline: float,
+               end: float | None = None) -> str:
     from .targets import load_target
 
     args = args_from_state(saved)
@@ -349,36 +407,38 @@ def _worker_op(saved: dict, run_dir: str, op: str, deadline: float) -> str:
     target = load_target(args.target)
     ctx = _context(args, target, Path(run_dir), target.require_local_gpu(args.proxy))
     console = make_console()
-    console.print(f"worker {os.getpid()} on {_WORKER['physical']}: {op}")
-    _one_op(args, agent, ctx, RunState.load(Path(run_dir)), op, _WORKER["device"], deadline,
-            console)
+    with run_log(Path(run_dir) / "run.log"):
+        say(f"worker {os.getpid()} on {_WORKER['physical']}: {op}")
+        _one_op(args, agent, ctx, RunState.load(Path(run_dir)), op, _WORKER["device"], deadline,
+                console, end)
     return op
 
 
 def _one_op(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState, op: str,
-            device: str, deadline: float, console: Console) -> None:
+            device: str, deadline: float, console: Console, end: float | None = None) -> None:
     task = build_task(ctx, state, op, device)
     state.update_op(op, status="running", device=device, baseline=task.current_name)
 
     def record(op_name: str, attempt: Any, proposal: dict) -> None:
         state.record_attempt(op_name, attempt, proposal)
-        console.print(f"  {op_name} #{attempt.index} {attempt.candidate}: {attempt.verdict}"
-                      + (f" ({attempt.reasons[0][:120]})" if attempt.reasons else "")
-                      + (f" -> {attempt.outcome}" if attempt.outcome else ""))
+        say(f"  {op_name} #{attempt.index} {attempt.candidate}: {attempt.verdict}"
+            + (f" ({attempt.reasons[0][:120]})" if attempt.reasons else "")
+            + (f" -> {attempt.outcome}" if attempt.outcome else ""))
 
-    evaluator = HarnessEvaluator(ctx, task, device, task.shapes, record)
+    evaluator = HarnessEvaluator(ctx, task, device, task.shapes, record, deadline=deadline,
+                                 hard_deadline=end)
     limits = Limits(max_candidates=args.max_candidates, deadline=deadline)
-    console.print(f"[bold]{op}[/] on {device}: baseline {task.current_name}, "
-                  f"{len(task.attempts)} earlier attempt(s)")
+    say(f"{op} on {device}: {agent.name} session until {deadline - time.monotonic():.0f} s from "
+        f"now, baseline {task.current_name}, {len(task.attempts)} earlier attempt(s), "
+        f"{len(task.shapes)} token bucket(s) {[s['T'] for s in task.shapes]}")
     try:
-        with console.status(f"{op}: {agent.name} session on {device} (baseline "
-                            f"{task.current_name})"):
-            result = run_session(agent, task, evaluator, ctx.run_dir / "ops" / op, limits)
+        result = run_session(agent, task, evaluator, ctx.run_dir / "ops" / op, limits)
     except KeyboardInterrupt:
         raise
     except Exception as e:  # noqa: BLE001 - one op's failure must not end the run
         state.update_op(op, status="error", stop_reason=f"{type(e).__name__}: {e}")
-        console.print(f"[red]{op}: session failed: {e}[/]")
+        say(f"{op}: session failed: {type(e).__name__}: {e}")
         return
     state.update_op(op, status="done", stop_reason=result.stop_reason,
                     session={k: v for k, v in result.summary.items() if k != "stop_reason"})
+    say(f"{op}: done ({result.stop_reason})")

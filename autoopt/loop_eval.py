@@ -7,14 +7,16 @@ attempt (checkpointed by the loop) and, when it wins, registers it as a new immu
 with its record, tuned configs and a NOTES.md entry.
 
 When a verified candidate wins (the rule the report states):
-- On a GPU, its speedup over the current selection (geometric mean over the bench shapes) must
-  exceed 1 + max(MIN_GAIN, the timing noise: candidate and baseline IQR/median added).
-  It becomes `candidate`, or `accepted` and locked for this arch with --auto-accept.
-- On the CPU, timings say nothing about speed: every verified candidate is registered as a
-  `candidate` with its CPU timings labelled not meaningful, never accepted or locked, and the
-  report says speed was not judged.
+- On a GPU, its speedup over the current selection (geometric mean over the bench shapes: one
+  per token bucket the target serves) must exceed 1 + max(MIN_GAIN, the timing noise: candidate
+  and baseline IQR/median added). It becomes `candidate`, or `accepted` and locked for this arch
+  with --auto-accept.
+- On the CPU (the Triton interpreter), timings cannot judge anything: nothing is timed, neither
+  the tuning trials nor the candidate; every verified candidate is registered as a `candidate`
+  (speed not judged), never accepted or locked, and the report says so.
 Tuning trials of the built-in templates (the project's own code, not an agent's) are timed
-in-process with the harness's `time_callable`; everything an agent wrote runs only in the sandbox.
+in-process with the harness's `time_callable` (GPU only); everything an agent wrote runs only in
+the sandbox. A verification's child process is bounded by the op's deadline.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 from autoopt.agents.base import Attempt, Feedback, OptimizationTask, Proposal
 
 MIN_GAIN = 0.02  # 2%: below this a "win" is not worth a new variant even with tight timings
+DEADLINE_GRACE_S = 15.0
 _SLUG = re.compile(r"[^A-Za-z0-9_]+")
 
 
@@ -76,8 +79,10 @@ class HarnessEvaluator:
     def __init__(self, ctx: RunContext, task: OptimizationTask, device: str,
                  bench_shapes: Sequence[Mapping[str, int]],
                  record: Callable[[str, Attempt, dict], None],
-                 verify_shapes: Sequence[Mapping[str, int]] | None = None) -> None:
+                 verify_shapes: Sequence[Mapping[str, int]] | None = None,
+                 deadline: float | None = None, hard_deadline: float | None = None) -> None:
         self.ctx, self.task, self.device = ctx, task, device
+        self.deadline, self.hard_deadline = deadline, hard_deadline
         self.bench_shapes = [dict(s) for s in bench_shapes]
         self.verify_shapes = [dict(s) for s in verify_shapes] if verify_shapes else None
         self.record = record
@@ -101,10 +106,12 @@ class HarnessEvaluator:
             reasons, reports = self._verify(path, proposal)
             (cand_dir / f"{stem}.verify.json").write_text(json.dumps(reports, default=str))
             verdict = "reject" if reasons else "pass"
-            if verdict == "pass":
+            if verdict == "pass" and self.ctx.meaningful:
                 timings, speedup, bench_rows = self._bench(path, proposal)
                 outcome = self._decide(path, proposal, sha, reports, bench_rows, timings,
                                        speedup)
+            elif verdict == "pass":  # CPU: verified only; nothing is timed
+                outcome = self._decide(path, proposal, sha, reports, [], (), None)
             else:
                 detail = _reject_detail(reports)
         except Exception as e:  # noqa: BLE001 - a harness failure is recorded, never fatal
@@ -137,13 +144,24 @@ class HarnessEvaluator:
         for cfg in configs:
             rep = verify_variant(self.task.op, path, device=self.device,
                                  seeds=self.ctx.verify_seeds, shapes=shapes, config=cfg,
-                                 timeout_s=self.ctx.verify_timeout_s)
+                                 timeout_s=self.timeout_s())
             reports.append(rep.to_dict())
             if not rep.passed:
                 where = f"with config {cfg}: " if len(configs) > 1 else ""
                 reasons += [where + r for r in rep.reasons]
                 break  # the first failing config is enough evidence
         return reasons, reports
+
+    def timeout_s(self) -> float:
+        """A verification child's limit: the run's, cut at the op's deadline plus a grace (a
+        candidate started just in time may finish), never past the sessions' end; >= 5 s."""
+        limit = self.ctx.verify_timeout_s
+        now = time.monotonic()
+        if self.deadline is not None:
+            limit = min(limit, self.deadline - now + DEADLINE_GRACE_S)
+        if self.hard_deadline is not None:
+            limit = min(limit, self.hard_deadline - now)
+        return max(5.0, limit)
 
     # ---- timing -------------------------------------------------------------------------------
     def _bench_variant(self, path: Path, per_bucket: Mapping[str, Mapping | None]) -> list[dict]:
@@ -217,6 +235,10 @@ class HarnessEvaluator:
         if proposal.meta.get("agent") != "template":
             raise PermissionError("in-process config timing is only for the built-in templates; "
                                   "an agent's code runs in the sandbox")
+        if not self.ctx.meaningful:
+            # The Triton interpreter's times say nothing about a config: none is timed, every
+            # trial is a failed one, and the template keeps its default config.
+            return [None] * len(configs)
         tune = self.op_dir / "tuning"
         tune.mkdir(parents=True, exist_ok=True)
         path = tune / f"{slug(proposal.name_hint)}.py"
@@ -248,11 +270,11 @@ class HarnessEvaluator:
 
     # ---- the decision -------------------------------------------------------------------------
     def _decide(self, path: Path, proposal: Proposal, sha: str, reports: list[dict],
-                rows: list[dict], timings: Sequence[dict], speedup: float) -> str:
+                rows: list[dict], timings: Sequence[dict], speedup: float | None) -> str:
         impossible = [r for r in rows if not r.get("floor_ok", True) and self.ctx.meaningful]
         if impossible:
             return f"not registered: faster than the floor at {impossible[0]['shape']} (void)"
-        if self.ctx.meaningful:
+        if self.ctx.meaningful and speedup is not None:
             need = 1.0 + max(MIN_GAIN, max((t["noise"] for t in timings), default=0.0))
             if speedup <= need:
                 return (f"verified, not registered: {speedup:.3f}x over {self.task.current_name}"

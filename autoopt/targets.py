@@ -25,9 +25,11 @@ _TOP_KEYS = {"name", "description", "model", "phase", "batch_sizes", "contexts",
              "hardware", "parallel"}
 _HW_KEYS = {"gpu", "arch", "hbm_tb_s", "bf16_tflop_s", "fp32_tflop_s", "memory_gb"}
 _PAR_KEYS = {"tp", "ep"}
-# Named model regions that are not op contracts (model.beam wraps them in `region(...)`). The KV
-# cache write is part of the Q/K norm ops.
-REGIONS = ("embed", "rope_tables", "o_proj", "dense_gate_up", "dense_down", "lm_head")
+# Named model regions that are not op contracts (model.beam wraps them in `region(...)`), plus
+# the served step's attention backend (its range holds the attention op; the KV write is part of
+# the Q/K norm ops).
+REGIONS = ("embed", "rope_tables", "o_proj", "dense_gate_up", "dense_down", "lm_head",
+           "paged_attention")
 
 
 class TargetError(ValueError):
@@ -50,12 +52,14 @@ class Hardware:
 
 @dataclass(frozen=True)
 class OpCall:
-    """`count` calls of `name` at `shape` in one step; `cost` is the contract's for one call."""
+    """`count` calls of `name` at `shape` in one step; `cost` is the contract's for one call;
+    `touched` (moe_experts) the distinct experts each call's routing hit on this rank."""
 
     name: str
     shape: dict[str, int]
     count: int
     cost: Cost
+    touched: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,18 @@ class Target:
                               f"{self.name}")
         return cfg if n == cfg.num_hidden_layers else cfg.replace(num_hidden_layers=n)
 
+    def kind_layers(self) -> int:
+        """The fewest leading layers that hold every layer kind (dense/MoE MLP, sliding/full
+        attention) of the target's model."""
+        cfg = self.config()
+        want = set(zip(cfg.layer_types, cfg.mlp_layer_types))
+        seen: set[tuple[str, str]] = set()
+        for i, kind in enumerate(zip(cfg.layer_types, cfg.mlp_layer_types)):
+            seen.add(kind)
+            if seen == want:
+                return i + 1
+        return cfg.num_hidden_layers
+
     @property
     def shard(self) -> ShardSpec:
         return preset(self.model).shard(self.tp, self.ep)
@@ -118,10 +134,13 @@ class Target:
         """Tokens through the model in one step: one per sequence (decode) or whole prompts."""
         return batch if self.phase == "decode" else batch * (context or self.contexts[0])
 
-    def op_shapes(self, batch: int, context: int | None = None) -> dict[str, dict[str, int]]:
-        """One call's shape for every op at `batch` (attention: a full-attention layer's)."""
+    def op_shapes(self, batch: int, context: int | None = None,
+                  layers: int | None = None) -> dict[str, dict[str, int]]:
+        """One call's shape for every op the served step calls at `batch` (attention: a
+        full-attention layer's). Shapes do not depend on the layer count, so the step recorded
+        has only as many layers as hold every layer kind (default)."""
         shapes: dict[str, dict[str, int]] = {}
-        for call in self.step_calls(batch, context=context):
+        for call in self.step_calls(batch, layers=layers or self.kind_layers(), context=context):
             full_attention = call.name == "attention" and call.shape.get("W") == 0
             if call.name in CONTRACTS and (call.name not in shapes or full_attention):
                 shapes[call.name] = call.shape
@@ -129,50 +148,25 @@ class Target:
 
     def step_calls(self, batch: int, layers: int | None = None,
                    context: int | None = None) -> list[OpCall]:
-        """Every op and region call of one step (as `model.beam` makes them) with its cost."""
-        cfg, shard = self.config(layers), self.shard
-        ctx = context or self.contexts[0]
-        t = self.tokens(batch, ctx)
-        n, n_slide = cfg.num_hidden_layers, cfg.num_sliding_layers
-        n_dense = sum(m == "dense" for m in cfg.mlp_layer_types)
-        calls: list[OpCall] = []
+        """Every op and region call of one served step with its cost, recorded from the forward
+        the serving engine runs (autoopt/profiler/inventory.py; on the meta device)."""
+        from .profiler.inventory import step_inventory
 
-        def op(name: str, count: int, **kw: Any) -> None:
-            if count:
-                c = CONTRACTS[name]
-                shape = c.shapes_for(cfg, kw.pop("tokens", t), shard, **kw)
-                calls.append(OpCall(name, shape, count, c.cost(shape)))
+        return step_inventory(self, batch, layers, context)
 
-        def gemm(name: str, count: int, k: int, nout: int, rows: int = t) -> None:
-            if count:
-                shape = {"T": rows, "K": k, "N": nout}
-                calls.append(OpCall(name, shape, count, linear_cost(rows, k, nout)))
+    def token_buckets(self) -> tuple[int, ...]:
+        """Token counts the target's steps run ops at: the CUDA-graph batch buckets a GPU decode
+        server replays (up to the largest batch size), the batch sizes on a CPU (no graphs
+        there), or whole prompts in prefill."""
+        if self.phase == "prefill":
+            return tuple(sorted({self.tokens(b, c) for b in self.batch_sizes
+                                 for c in self.contexts[:1]}))
+        if self.hardware.is_cpu:
+            return tuple(sorted(set(self.batch_sizes)))
+        from model.serve.graphs import batch_buckets
 
-        h, hq_d = cfg.hidden_size, shard.num_attention_heads * cfg.head_dim
-        calls.append(OpCall("embed", {"T": t, "H": h}, 1, Cost(bytes=2 * 2 * t * h)))
-        op("rmsnorm", 1)
-        op("qkv_gate_proj", n)
-        op("qk_norm_rope", n_slide)
-        op("qk_norm_ssmax", n - n_slide)
-        full_i = next((i for i in range(n) if cfg.window(i) is None), None)
-        slide_i = next((i for i in range(n) if cfg.window(i) is not None), None)
-        # One attention call per layer over every sequence's pages (decode: one query each).
-        if slide_i is not None:
-            op("attention", n_slide, context=ctx, layer=slide_i, seqs=batch)
-        if full_i is not None:
-            op("attention", n - n_slide, context=ctx, layer=full_i, seqs=batch)
-        op("attn_output_gate", n)
-        gemm("o_proj", n, hq_d, h)
-        op("norm_residual_norm", 2 * n)
-        gemm("dense_gate_up", n_dense, h, 2 * shard.intermediate_size)  # gate and up: one range
-        op("swiglu", n_dense)
-        gemm("dense_down", n_dense, shard.intermediate_size, h)
-        op("router", n - n_dense)
-        op("moe_experts", n - n_dense)
-        # Logits for the last token of each sequence only (what a serving step computes).
-        gemm("lm_head", 1, h, shard.vocab_size, rows=batch)
-        op("logit_softcap", 1, tokens=batch)
-        return calls
+        sizes = set(batch_buckets(max(self.batch_sizes))) | set(self.batch_sizes)
+        return tuple(sorted(sizes))
 
     # ---- the machine --------------------------------------------------------------------------
     def require_local_gpu(self, proxy: bool = False) -> str | None:

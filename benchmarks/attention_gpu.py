@@ -240,7 +240,7 @@ def block_kernels(s, device) -> dict:
     """Kernels one attention block launches at bs 1 (a full and a window layer), 4k context."""
     from model.beam import BeamForCausalLM
     from model.ops.qk_norm_rope import inv_freq, rope_tables
-    from model.serve.kv_cache import KVLayout, PagedKVCache
+    from model.serve.engine.kv_cache import KVLayout, PagedKVCache
     from model.serve.paged_attention import PagedAttention, PagedBatch, PoolMeta
 
     # What attention_block reads of the config: layer 0 sliding-window, layer 1 full.

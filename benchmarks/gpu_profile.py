@@ -1,22 +1,21 @@
-"""Profiles of Beam on an H200 for issue 5: decode at batch 1 and 32, prefill, reference kernels.
+"""The served step on one H200: `bench model` tables and a profile with graph-replay attribution.
 
-    python benchmarks/gpu_profile.py            # on the H200; writes into $OUT (or --out)
-    python benchmarks/gpu_profile.py --dry-run  # the same pipeline on the CPU with cpu-tiny
+    python benchmarks/gpu_profile.py --out DIR [--before-lock LOCK]   # ~8 minutes on one H200
+    python benchmarks/gpu_profile.py --dry-run --out DIR              # the same stages on the CPU
 
-For each configuration, two profiles:
-1. the full step (every layer that fits memory, 52 for these targets) with the torch.profiler
-   backend: CUPTI kernel times attributed to ops, cost-model bytes, CUDA-event step time;
-2. the same step under Nsight Compute (measured kernel durations and DRAM bytes) at the layer
-   count that fits the time budget (ncu profiles every kernel; the reference MoE launches ~10
-   kernels per touched expert), with CUDA-event timing and a torch.profiler pass of that same
-   step for the agreement check. A failed or missing ncu degrades to the torch.profiler result.
-
-Files (flat, 8 at most): <config>.json and <config>.png for each full-step profile, nsight.json
-(the Nsight profiles and the agreement table), summary.txt (what is printed last).
-
-ncu spends tens of ms on each kernel and the reference step launches thousands per layer at
-batch 32 and in prefill, so within --budget-s (300 s) the Nsight stage gets a few layers; a
-second call can give it more: `--only decode-b32 --skip-full --ncu-layers 6 --budget-s 500`.
+One process, stages in this order (each bounded by its share of --budget-s, written as soon as
+it finishes, so a slow later stage never costs an earlier one's results):
+1. decode: h200-tp8-decode, all 52 layers of one TP8 rank (random weights filled on the GPU),
+   batch 1/8/32/64 at context 8192 and batch 1/8 at the long context 100000: reference vs tuned
+   (vs --before-lock, the lock a comparison starts from);
+2. prefill: h200-tp8-prefill, 8 prompts x 2048 tokens, reference vs tuned;
+3. profile: the served decode step (tuned set, CUDA-graph replay) at batch 1 and 64, context
+   8192, kernel time attributed to ops inside the graph, plus a 16-kernel Nsight Compute sample
+   of the top ops where ncu is installed;
+4. compile: the torch.compile set of decode and prefill (Inductor compiles each op once per
+   argument kind), merged into the tables of stages 1 and 2.
+Files under --out: bench_decode.{json,md,png}, bench_prefill.{json,md,png}, profile-b1.json/png,
+profile-b64.json/png, summary.txt (also printed last).
 """
 
 from __future__ import annotations
@@ -31,123 +30,142 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autoopt.profiler import profile_step  # noqa: E402
-from autoopt.profiler.attribution import Profile  # noqa: E402
-from autoopt.profiler.report import fmt_us, write_outputs  # noqa: E402
-from autoopt.targets import load_target  # noqa: E402
+from autoopt.bench_model import BenchModelArgs, merge_results, run_bench  # noqa: E402
+from autoopt.bench_model_report import headline, write_outputs  # noqa: E402
+from autoopt.profiler import profile_batches  # noqa: E402
+from autoopt.profiler.report import summary  # noqa: E402
+from autoopt.profiler.report import write_outputs as write_profile  # noqa: E402
 
-GPU_CONFIGS = (("decode-b1", "h200-tp8-decode", 1), ("decode-b32", "h200-tp8-decode", 32),
-               ("prefill-b8", "h200-tp8-prefill", 8))
-DRY_CONFIGS = (("decode-b1", "cpu-tiny", 1), ("decode-b3", "cpu-tiny", 3))
-MIN_LAYERS = 4  # 3 dense layers + 1 MoE layer: every op appears
-NCU_S_PER_KERNEL = 0.03  # first guess, replaced by what the first ncu run measured
-NCU_FIXED_S = 40.0  # child start, torch import under ncu, model build, warm-up step
-
-
-def ncu_layers(full: Profile | None, budget_s: float, s_per_kernel: float) -> int:
-    """Layers whose kernels ncu can profile in `budget_s` (MIN_LAYERS without a full profile)."""
-    if full is None:
-        return MIN_LAYERS
-    per_layer = sum(r.kernels for r in full.rows) / max(full.layers, 1)
-    n = int((budget_s - NCU_FIXED_S) / max(s_per_kernel * per_layer, 1e-9))
-    return max(MIN_LAYERS, min(full.layers, n))
+GPU = {"decode": ("h200-tp8-decode", (1, 8, 32, 64), (8192,), (1, 8), 100000),
+       "prefill": ("h200-tp8-prefill", (8,), (2048,)), "profile": (1, 64), "context": 8192}
+DRY = {"decode": ("cpu-tiny", (1, 3), (40,), (1,), 64),
+       "prefill": ("cpu-tiny", (2,), (24,)), "profile": (1, 3), "context": 40}
+SHARES = {"decode": 0.35, "prefill": 0.15, "profile": 0.25, "compile": 0.25}
 
 
-def agreement(p: Profile) -> dict:
-    c = p.checks
-    return {
-        "layers": p.layers, "backend": p.backend, "ncu_kernel_us": c.get("ncu_kernel_us"),
-        "torch_profiler_kernel_us": c.get("torch_profiler_kernel_us"),
-        "events_step_us": p.step_us, "graph_step_us": p.graph_step_us,
-        "ncu_over_cupti": c.get("ncu_vs_torch_profiler_kernel_time"),
-        "kernels_over_events": c.get("kernel_time_vs_step"),
-        # ncu replays each kernel alone (serialized, after its save/restore): a fixed cost per
-        # kernel shows as this offset, which dominates a step of thousands of ~2 us kernels.
-        "per_kernel_offset_us": ((c["ncu_kernel_us"] - c["torch_profiler_kernel_us"])
-                                 / c["ncu_kernels"]) if c.get("ncu_kernels") and
-        c.get("ncu_kernel_us") and c.get("torch_profiler_kernel_us") else None,
-        "explanation": ("kernel times (ncu vs CUPTI) should agree within 10%; the eager step's "
-                        "CUDA-event time exceeds its kernel time by the launch overhead / idle "
-                        "line (the reference MoE syncs with the host once per touched expert)"),
-    }
+class Run:
+    def __init__(self, out: Path, budget_s: float, proxy: bool) -> None:
+        self.out, self.start, self.budget_s = out, time.monotonic(), budget_s
+        self.dry_proxy = proxy
+        self.lines: list[str] = []
+        self.errors: list[str] = []
 
+    def say(self, text: str) -> None:
+        print(f"[{time.monotonic() - self.start:6.1f} s] {text}", flush=True)
 
-def describe(tag: str, p: Profile) -> list[str]:
-    top = sorted(p.ops(), key=lambda r: -r.time_us)[:4]
-    kpl = sum(r.kernels for r in p.rows) / max(p.layers, 1)
-    return [f"{tag}: {p.target} b{p.batch} {p.layers} layers [{p.backend}] step "
-            f"{fmt_us(p.step_us)}, graph {fmt_us(p.graph_step_us)}, kernels {fmt_us(p.kernel_us)}"
-            f" ({sum(r.kernels for r in p.rows)}, {kpl:.0f}/layer), floor {fmt_us(p.floor_us)}",
-            "   top: " + ", ".join(f"{r.op} {r.share:.0f}%" for r in top)]
+    def share(self, stage: str) -> float:
+        left = self.budget_s - (time.monotonic() - self.start)
+        return max(30.0, min(left, SHARES[stage] * self.budget_s))
 
-
-def run(args: argparse.Namespace) -> int:
-    start = time.perf_counter()
-    deadline = start + args.budget_s
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    configs = DRY_CONFIGS if args.dry_run else GPU_CONFIGS
-    if args.only:
-        configs = tuple(c for c in configs if c[0] in args.only.split(","))
-    proxy = args.proxy
-    lines, fulls, nsight, errors = [], {}, [], []
-    for tag, target, batch in configs if not args.skip_full else ():  # 1. full steps
+    def stage(self, name: str, fn) -> object:
+        t0 = time.monotonic()
+        self.say(f"== {name}")
         try:
-            p = profile_step(load_target(target), batch, layers=args.layers, backend="torch",
-                             proxy=proxy)
-            write_outputs(p, out, stem=tag)
-            fulls[tag] = p
-            lines += describe(tag, p)
-        except Exception as e:  # noqa: BLE001 - one failed config must not lose the others
-            errors.append(f"{tag} full: {type(e).__name__}: {e}")
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - one failed stage must not lose the others
+            self.errors.append(f"{name}: {type(e).__name__}: {e}")
             traceback.print_exc()
-        print(f"[{time.perf_counter() - start:.0f} s] {tag} full done", flush=True)
-    s_per_kernel = NCU_S_PER_KERNEL
-    pending = [c for c in configs if c[0] in fulls or args.skip_full]
-    for i, (tag, target, batch) in enumerate(pending):  # 2. Nsight at a budgeted layer count
-        left = deadline - time.perf_counter()
-        share = left / (len(pending) - i)
-        if share < NCU_FIXED_S + 10:
-            errors.append(f"{tag} nsight: skipped, {left:.0f} s of the budget left")
-            continue
-        layers = args.ncu_layers or ncu_layers(fulls.get(tag), share, s_per_kernel)
-        try:
-            t0 = time.perf_counter()
-            p = profile_step(load_target(target), batch, layers=layers, backend="auto",
-                             proxy=proxy, ncu_timeout_s=max(share * 1.3, 60.0))
-            kernels = p.checks.get("ncu_kernels")
-            if kernels:
-                s_per_kernel = max((time.perf_counter() - t0) - NCU_FIXED_S, 1.0) / kernels
-            nsight.append({"config": tag, "profile": p.to_dict(), "agreement": agreement(p)})
-            lines += describe(f"{tag} nsight", p)
-        except Exception as e:  # noqa: BLE001
-            errors.append(f"{tag} nsight: {type(e).__name__}: {e}")
-            traceback.print_exc()
-        print(f"[{time.perf_counter() - start:.0f} s] {tag} nsight done", flush=True)
-    (out / "nsight.json").write_text(json.dumps(
-        {"profiles": nsight, "errors": errors, "s_per_kernel": s_per_kernel}, indent=2) + "\n")
-    lines += [f"error: {e}" for e in errors]
-    lines.append(f"total {time.perf_counter() - start:.0f} s; files in {out}")
-    for entry in nsight:
-        a = entry["agreement"]
-        lines.append(f"{entry['config']}: ncu/CUPTI kernel time {a['ncu_over_cupti']}, "
-                     f"kernels/events {a['kernels_over_events']}")
-    (out / "summary.txt").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 1 if not (fulls or nsight) else 0
+            result = None
+        self.say(f"== {name}: {time.monotonic() - t0:.0f} s")
+        return result
+
+
+def _bench(run: Run, stem: str, target: str, batches, contexts, sets, budget, phase=None,
+           layers=None, before=None):
+    iters = 5 if phase == "prefill" else None  # a prefill step is ~100x a decode step
+    args = BenchModelArgs(target, batches=batches, contexts=contexts, kernels=sets,
+                          phase=phase, layers=layers, iters=iters, budget_s=budget,
+                          proxy=run.dry_proxy)
+    res = run_bench(args, say=run.say)
+    if before is not None:
+        res = merge_results(before, res)
+    _write_flat(run.out, stem, res)  # now: a later stage that overruns cannot lose it
+    return res
+
+
+def _write_flat(out: Path, stem: str, res) -> None:
+    """<stem>.{json,md,png} (flat: few files come back from the GPU machine)."""
+    d = out / f".{stem}"
+    write_outputs(res, d)
+    for ext in ("json", "md", "png"):
+        (d / f"bench_model.{ext}").replace(out / f"{stem}.{ext}")
+    d.rmdir()
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT", "runs/gpu-profile"))
     p.add_argument("--dry-run", action="store_true", help="cpu-tiny on the CPU (tests)")
-    p.add_argument("--budget-s", type=float, default=300.0, help="wall-clock budget")
-    p.add_argument("--layers", type=int, default=None, help="layers of the full profiles")
-    p.add_argument("--only", default="", help="comma-separated configs (decode-b1,...)")
-    p.add_argument("--skip-full", action="store_true", help="Nsight stage only")
-    p.add_argument("--ncu-layers", type=int, default=None, help="layers under ncu (no budget)")
+    p.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget")
+    p.add_argument("--before-lock", default=None, help="a lock file to compare against")
+    p.add_argument("--skip-compile", action="store_true", help="no torch.compile stage")
     p.add_argument("--proxy", action="store_true", help="allow a GPU other than the H200")
-    return run(p.parse_args(argv))
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = DRY if a.dry_run else GPU
+    run = Run(out, a.budget_s, a.proxy)
+    sets = ("reference", "tuned") + ((a.before_lock,) if a.before_lock else ())
+    target, batches, ctxs, long_batches, long_ctx = cfg["decode"]
+    decode = run.stage("decode bench", lambda: _bench(
+        run, "bench_decode", target, batches, ctxs, sets, run.share("decode")))
+    if decode is not None and long_ctx:
+        decode = run.stage("decode bench, long context", lambda: _bench(
+            run, "bench_decode", target, long_batches, (long_ctx,), sets,
+            0.4 * run.share("decode"), layers=decode.layers, before=decode)) or decode
+    ptarget, pbatches, pctx = cfg["prefill"]
+    prefill = run.stage("prefill bench", lambda: _bench(
+        run, "bench_prefill", ptarget, pbatches, pctx, ("reference", "tuned"),
+        run.share("prefill"), phase="prefill"))
+    profiles = run.stage("served-step profile", lambda: _profile(run, target, cfg))
+    if not a.skip_compile:
+        if decode is not None:
+            decode = run.stage("decode compile", lambda: _bench(
+                run, "bench_decode", target, batches, ctxs, ("compile",),
+                0.6 * run.share("compile"), layers=decode.layers, before=decode)) or decode
+        if prefill is not None:
+            prefill = run.stage("prefill compile", lambda: _bench(
+                run, "bench_prefill", ptarget, pbatches, pctx, ("compile",),
+                run.share("compile"), phase="prefill", layers=prefill.layers,
+                before=prefill)) or prefill
+    return _summary(run, decode, prefill, profiles)
+
+
+def _profile(run: Run, target: str, cfg: dict) -> list:
+    from autoopt.profiler.nsight import find_ncu
+
+    budget = run.share("profile")
+    profs = profile_batches(target, cfg["profile"], kernels="tuned", context=cfg["context"],
+                            repeats=10, ncu_sample=16 if find_ncu() else 0,
+                            ncu_timeout_s=min(120.0, budget / 2), proxy=run.dry_proxy,
+                            deadline=time.monotonic() + budget)
+    for prof in profs:
+        write_profile(prof, run.out, f"profile-b{prof.batch}")
+    return profs
+
+
+def _summary(run: Run, decode, prefill, profiles) -> int:
+    lines = []
+    for name, res in (("decode", decode), ("prefill", prefill)):
+        if res is not None:
+            lines.append(f"{name}: {res.target} on {res.gpu}, {res.layers} layers, "
+                         f"{res.rates['bandwidth_bytes_s'] / 1e12:.2f} TB/s "
+                         f"({res.rates['source']}), versions {json.dumps(res.versions)}")
+            lines += [f"  {h}" for h in headline(res)]
+    for prof in profiles or []:
+        lines += [f"profile b{prof.batch}: " + s for s in summary(prof)[:3]]
+        top = sorted(prof.ops(), key=lambda r: -r.time_us)[:5]
+        lines.append("  top: " + ", ".join(f"{r.op} {r.share:.0f}% ({r.kernels} kernels)"
+                                           for r in top))
+        sample = prof.checks.get("ncu_sample")
+        if sample:
+            lines.append(f"  ncu sample: {sample.get('error') or len(sample['kernels'])} "
+                         f"kernels of {sample['ops']}")
+    lines += [f"error: {e}" for e in run.errors]
+    lines.append(f"total {time.monotonic() - run.start:.0f} s; files in {run.out}")
+    (run.out / "summary.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 1 if decode is None and prefill is None else 0
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import torch
 from model.beam import BeamForCausalLM
 from model.config import BeamConfig, preset
 from model.serve.engine import EngineConfig, LLMEngine
-from model.serve.sampler import SamplingParams
+from model.serve.engine.sampler import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
 

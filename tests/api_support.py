@@ -19,7 +19,9 @@ from typing import Any
 
 import uvicorn
 
-from model.serve.sampler import TokenLogprob
+from model.serve.engine.sampler import TokenLogprob
+from model.serve.http.limits import HTTPLimits
+from model.serve.http.server import uvicorn_config
 from model.serve.tokenizer import BeamTokenizer
 
 MODEL = "beam-test"
@@ -172,13 +174,29 @@ class FakeEngine:
 
 
 @contextmanager
-def serve(app: Any) -> Iterator[int]:
-    """Run `app` with uvicorn on a free 127.0.0.1 port in a thread; yields the port."""
+def torch_threads(n: int) -> Iterator[None]:
+    """Tiny models on a shared CPU: OpenMP threads spinning for tiny ops cost more than they
+    give (up to 20x per step under load), so real-engine test modules run on one."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextmanager
+def serve(app: Any, limits: HTTPLimits | None = None) -> Iterator[int]:
+    """Run `app` as `autoopt serve` runs it (uvicorn, the head-timeout protocol) on a free
+    127.0.0.1 port in a thread; yields the port."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+    config = uvicorn_config(app, "127.0.0.1", port, limits or HTTPLimits(), log_level="warning",
+                            lifespan="on", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -193,3 +211,30 @@ def serve(app: Any) -> Iterator[int]:
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+def scrape(base: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """/metrics as {(sample name, labels): value}, parsed by prometheus_client."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(f"{base}/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def metric(samples: dict, name: str, **labels: str) -> float:
+    """Sum of the samples named `name` whose labels include `labels`."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+def server_errors(samples: dict) -> dict[str, float]:
+    """5xx responses counted in http_requests_total, by status."""
+    out: dict[str, float] = {}
+    for (name, labels), value in samples.items():
+        status = dict(labels).get("status", "")
+        if name == "http_requests_total" and status.startswith("5") and value:
+            out[status] = out.get(status, 0) + value
+    return out

@@ -84,3 +84,15 @@ def resolve(reg: Registry, **kw):
         table = resolve_ops(kw.pop("kernels", "tuned"), reg.root, arch=kw.pop("arch", "cpu"),
                             device="cpu", **kw)
     return table, refusals(record)
+
+
+def lock_shipped(root: Path, op: str, name: str, arch: str) -> Registry:
+    """A registry at `root` holding only the shipped `op/name`, recorded as verified on `arch`
+    (a stand-in for the judge: the variant's own tests verify it) and locked there."""
+    reg = Registry(root)
+    write_variant(reg, op, name, Registry().variant_path(op, name).read_text())
+    device = "cpu" if arch == "cpu" else "cuda"
+    writers.record(reg, op, name, [Verification(arch, "pass", sha256(reg.variant_path(op, name)),
+                                                device, report={"seeds": [0]})])
+    writers.accept(reg, op, name, arch)
+    return reg

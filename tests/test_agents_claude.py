@@ -82,9 +82,12 @@ def test_session_rejects_broken_and_cheating_then_registers_the_correct_one(tmp_
     # Exactly the correct one is registered.
     assert ctx.registry.variants("swiglu") == ["claude_tiles_v1"]
     rec = ctx.registry.read_record("swiglu", "claude_tiles_v1")
-    assert rec["status"] == "candidate" and rec["provenance"]["agent"] == "claude"
-    assert rec["provenance"]["model"] == DEFAULT_MODEL and rec["provenance"]["prompt_sha256"]
-    assert ctx.registry.read_configs("swiglu", "claude_tiles_v1")["cpu"]["T=1"]["ROWS"] == 8
+    assert rec.status == "candidate" and rec.provenance.agent == "claude"
+    assert rec.provenance.model == DEFAULT_MODEL and rec.provenance.prompt_sha256
+    # On the CPU nothing is timed: the config it was verified with is not proposed as tuned.
+    assert not rec.proposed_configs and not rec.benchmarks
+    ver = rec.verification["cpu"][0]
+    assert ver.verdict == "pass" and ver.config == {"ROWS": 8, "BLOCK": 256, "num_warps": 2}
     # Both failures are recorded with reasons, and the reasons went back to the model.
     broken, cheat = result.attempts[0], result.attempts[1]
     assert broken.reasons and cheat.reasons

@@ -18,13 +18,13 @@ from autoopt.agents.template import CATALOG, HEADER_MARK, TemplateAgent
 from model.ops import CONTRACTS
 
 REQUIRED = {"rmsnorm", "norm_residual_norm", "attn_output_gate", "swiglu", "logit_softcap",
-            "qk_norm_rope", "qk_norm_ssmax", "attention", "qkv_gate_proj"}
+            "qk_norm_rope", "qk_norm_ssmax", "attention", "qkv_gate_proj", "moe_experts"}
 
 
 def test_catalog_covers_the_profiled_elementwise_and_norm_ops():
     assert REQUIRED <= set(CATALOG)
     assert make_agent("template").supports("swiglu")
-    assert not make_agent("template").supports("moe_experts")
+    assert make_agent("template").supports("moe_experts")
     with pytest.raises(ValueError, match="known agents: template, claude"):
         make_agent("gpt")
 

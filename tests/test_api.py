@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from model.serve.api import create_app
+from model.serve.http.app import create_app
 from tests.api_support import (
     CALL_HEADER,
     FORCED_CLOSE_ANSWER,

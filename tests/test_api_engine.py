@@ -24,9 +24,9 @@ import openai
 import pytest
 
 from model.demo import write_demo_checkpoint
-from model.serve.api import create_app
 from model.serve.engine import AsyncEngine, EngineConfig, LLMEngine
-from model.serve.sampler import SamplingParams
+from model.serve.engine.sampler import SamplingParams
+from model.serve.http.app import create_app
 from tests.api_support import serve
 
 MODEL = "beam-demo"
@@ -172,7 +172,8 @@ def _free_port() -> int:
 
 def test_autoopt_serve_cli_serves_the_demo(checkpoint):
     port = _free_port()
-    env = {**os.environ, "AUTOOPT_DEMO_CHECKPOINT": str(checkpoint)}
+    # The API key comes from the environment (kept out of `ps`), as AUTOOPT_API_KEY.
+    env = {**os.environ, "AUTOOPT_DEMO_CHECKPOINT": str(checkpoint), "AUTOOPT_API_KEY": "k3y"}
     cmd = [sys.executable, "-c", "from autoopt.cli import app; app()", "serve", "--port",
            str(port), "--device", "cpu", "--dtype", "float32", "--kernels", "reference",
            "--max-model-len", "256", "--served-model-name", "demo"]
@@ -189,7 +190,10 @@ def test_autoopt_serve_cli_serves_the_demo(checkpoint):
                 pass
             assert time.monotonic() < deadline, "autoopt serve did not come up in 90 s"
             time.sleep(0.25)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                          max_retries=0).models.list()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k3y",
                                max_retries=0, timeout=60)
         r = client.chat.completions.create(model="demo", messages=hello(), max_tokens=3)
         assert r.usage.completion_tokens <= 3

@@ -8,24 +8,37 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import anthropic
 import httpx
 import openai
 import pytest
 
-from model.serve.api import create_app
-from tests.api_support import MODEL, FakeEngine, demo_tokenizer, serve
+from model.serve.http.app import create_app
+from tests.api_cases import (
+    BAD_CHAT,
+    BAD_COMPLETIONS,
+    BAD_MESSAGES,
+    GOOD_CHAT,
+    GOOD_MESSAGES,
+    JSON,
+    MAX_MODEL_LEN,
+    NOT_JSON,
+)
+from tests.api_support import (
+    MODEL,
+    VOCAB,
+    FakeEngine,
+    demo_tokenizer,
+    metric,
+    scrape,
+    serve,
+    server_errors,
+)
 
-MAX_MODEL_LEN = 512
 KEY = "sekret-key"
-GOOD_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "[hello]"}]}
-GOOD_MESSAGES = {"model": MODEL, "max_tokens": 64,
-                 "messages": [{"role": "user", "content": "[hello]"}]}
 
 
 @pytest.fixture(scope="module")
@@ -45,55 +58,6 @@ def slow() -> Iterator[tuple[str, FakeEngine]]:
     engine = FakeEngine(demo_tokenizer(), delay=0.005)
     with serve(create_app(engine, demo_tokenizer(), MODEL, max_model_len=4096)) as port:
         yield f"http://127.0.0.1:{port}", engine
-
-
-def with_(body: dict[str, Any], **changes: Any) -> bytes:
-    return json.dumps({**body, **changes}).encode()
-
-
-LONG_PROMPT = [{"role": "user", "content": "word " * 2 * MAX_MODEL_LEN}]
-BAD_TOOL_SCHEMA = [{"type": "function", "function": {"name": "f", "parameters": {
-    "type": "string"}}}]
-BAD_CHAT = {
-    "malformed json": (b'{"model": "beam-test", "messages": [', 400, None),
-    "empty body": (b"", 400, None),
-    "not an object": (b"[1, 2]", 400, None),
-    "unknown model": (with_(GOOD_CHAT, model="gpt-9"), 404, "model"),
-    "negative max_tokens": (with_(GOOD_CHAT, max_tokens=-5), 400, "max_tokens"),
-    "zero max_completion_tokens": (with_(GOOD_CHAT, max_completion_tokens=0), 400,
-                                   "max_completion_tokens"),
-    "huge max_tokens": (with_(GOOD_CHAT, max_tokens=10**9), 400, "max_tokens"),
-    "prompt too long": (with_(GOOD_CHAT, messages=LONG_PROMPT), 400, "messages"),
-    "invalid tool schema": (with_(GOOD_CHAT, tools=BAD_TOOL_SCHEMA), 400,
-                            "tools[0].function.parameters"),
-    "tool name with space": (with_(GOOD_CHAT, tools=[{"type": "function", "function": {
-        "name": "my tool"}}]), 400, "tools[0].function.name"),
-    "tool not a function": (with_(GOOD_CHAT, tools=[{"type": "retrieval"}]), 400, "tools[0]"),
-    "temperature string": (with_(GOOD_CHAT, temperature="hot"), 400, "temperature"),
-    "temperature numeric string": (with_(GOOD_CHAT, temperature="0.5"), 400, "temperature"),
-    "max_tokens float": (with_(GOOD_CHAT, max_tokens=1.5), 400, "max_tokens"),
-    "stream not bool": (with_(GOOD_CHAT, stream="yes"), 400, "stream"),
-    "top_p zero": (with_(GOOD_CHAT, top_p=0), 400, "top_p"),
-    "messages empty": (with_(GOOD_CHAT, messages=[]), 400, "messages"),
-    "message not object": (with_(GOOD_CHAT, messages=["hi"]), 400, "messages[0]"),
-    "unknown role": (with_(GOOD_CHAT, messages=[{"role": "robot", "content": "x"}]), 400,
-                     "messages"),
-    "tool_choice unknown tool": (with_(GOOD_CHAT, tools=[{"type": "function", "function": {
-        "name": "f"}}], tool_choice={"type": "function", "function": {"name": "g"}}), 400,
-        "tool_choice"),
-    "tool_choice without tools": (with_(GOOD_CHAT, tool_choice="required"), 400, "tool_choice"),
-    "bad reasoning_effort": (with_(GOOD_CHAT, reasoning_effort="extreme"), 400,
-                             "reasoning_effort"),
-    "n=2": (with_(GOOD_CHAT, n=2), 400, "n"),
-    "image part": (with_(GOOD_CHAT, messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400,
-        "messages[0].content[0]"),
-    "stop token id out of vocab": (with_(GOOD_CHAT, stop_token_ids=[10**7]), 400,
-                                   "stop_token_ids"),
-    "string tool arguments not json": (with_(GOOD_CHAT, messages=[
-        {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {
-            "name": "f", "arguments": "{oops"}}]}]), 400, "messages"),
-}
 
 
 def assert_openai_error(r: httpx.Response, status: int, param: str | None) -> None:
@@ -118,60 +82,75 @@ def assert_still_serving(base: str) -> None:
         "Hi! How are you?"
 
 
+@pytest.mark.parametrize("case", list(NOT_JSON))
+def test_bodies_that_are_not_json_are_refused(base, fake, case):
+    path, body, headers = NOT_JSON[case]
+    before = len(fake.prompts)
+    r = httpx.post(f"{base}{path}", content=body, headers=headers, timeout=30)
+    if path == "/v1/messages":
+        assert_anthropic_error(r, 415, "invalid_request_error")
+    else:
+        assert_openai_error(r, 415, None)
+    assert "application/json" in r.text and len(fake.prompts) == before
+
+
 @pytest.mark.parametrize("case", list(BAD_CHAT))
 def test_bad_chat_requests(base, case):
     body, status, param = BAD_CHAT[case]
-    r = httpx.post(f"{base}/v1/chat/completions", content=body,
-                   headers={"content-type": "application/json"}, timeout=30)
+    r = httpx.post(f"{base}/v1/chat/completions", content=body, headers=JSON, timeout=30)
     assert_openai_error(r, status, param)
     assert_still_serving(base)
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"model": MODEL, "prompt": [5, 10**7]}, "prompt"),
-    ({"model": MODEL, "prompt": ""}, "prompt"),
-    ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, "max_tokens"),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
-    ({"model": MODEL, "prompt": {"text": "hi"}}, "prompt"),
-])
+@pytest.mark.parametrize("body,param", BAD_COMPLETIONS)
 def test_bad_completion_requests(base, body, param):
     r = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
-    assert r.status_code == 400
-    assert r.json()["error"]["param"] is None or r.json()["error"]["param"].startswith(param)
-
-
-BAD_MESSAGES = {
-    "malformed json": (b'{"model": ', 400, "invalid_request_error"),
-    "missing max_tokens": (json.dumps({"model": MODEL, "messages": GOOD_MESSAGES["messages"]})
-                           .encode(), 400, "invalid_request_error"),
-    "negative max_tokens": (with_(GOOD_MESSAGES, max_tokens=-1), 400, "invalid_request_error"),
-    "huge max_tokens": (with_(GOOD_MESSAGES, max_tokens=10**6), 400, "invalid_request_error"),
-    "unknown model": (with_(GOOD_MESSAGES, model="claude-x"), 404, "not_found_error"),
-    "prompt too long": (with_(GOOD_MESSAGES, messages=LONG_PROMPT), 400, "invalid_request_error"),
-    "tool without schema": (with_(GOOD_MESSAGES, tools=[{"name": "f"}]), 400,
-                            "invalid_request_error"),
-    "schema not an object": (with_(GOOD_MESSAGES, tools=[{"name": "f", "input_schema": {
-        "type": "array"}}]), 400, "invalid_request_error"),
-    "bad thinking": (with_(GOOD_MESSAGES, thinking={"type": "enabled"}), 400,
-                     "invalid_request_error"),
-    "image block": (with_(GOOD_MESSAGES, messages=[{"role": "user", "content": [
-        {"type": "image", "source": {}}]}]), 400, "invalid_request_error"),
-    "bad role": (with_(GOOD_MESSAGES, messages=[{"role": "system", "content": "x"}]), 400,
-                 "invalid_request_error"),
-    "temperature string": (with_(GOOD_MESSAGES, temperature="warm"), 400,
-                           "invalid_request_error"),
-    "bad tool_choice": (with_(GOOD_MESSAGES, tool_choice={"type": "sometimes"}), 400,
-                        "invalid_request_error"),
-}
+    assert_openai_error(r, 400, None)
+    assert r.json()["error"]["param"].startswith(param), r.text
 
 
 @pytest.mark.parametrize("case", list(BAD_MESSAGES))
 def test_bad_messages_requests(base, case):
     body, status, kind = BAD_MESSAGES[case]
-    r = httpx.post(f"{base}/v1/messages", content=body, timeout=30)
+    r = httpx.post(f"{base}/v1/messages", content=body, timeout=30, headers=JSON)
     assert_anthropic_error(r, status, kind)
     assert_still_serving(base)
+
+
+@pytest.mark.parametrize("temperature,sent", [
+    (1e-45, 0.0),  # below the greedy floor: greedy, as vLLM does
+    (9e-6, 0.0),
+    (5e-3, 0.01),  # small but above it: raised to the floor, so logits / T stays finite
+    (0.7, 0.7),
+])
+def test_tiny_temperatures_are_greedy(base, fake, temperature, sent):
+    oai = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+    r = oai.chat.completions.create(model=MODEL, messages=GOOD_CHAT["messages"],
+                                    temperature=temperature)
+    assert r.choices[0].message.content == "Hi! How are you?"
+    assert fake.params[r.id].temperature == sent
+    claude = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
+    m = claude.messages.create(model=MODEL, max_tokens=64, messages=GOOD_MESSAGES["messages"],
+                               extra_body={"temperature": temperature})
+    assert fake.params[m.id].temperature == sent
+
+
+def test_numeric_limits_that_are_accepted(base, fake):
+    """The ends of every range are served: seeds at both ends of int64, top_k = vocabulary."""
+    oai = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+    for seed in (-(2**63), 2**63 - 1, 0):
+        r = oai.chat.completions.create(model=MODEL, messages=GOOD_CHAT["messages"], seed=seed,
+                                        temperature=0.8, extra_body={"top_k": VOCAB})
+        assert r.choices[0].message.content == "Hi! How are you?"
+        assert fake.params[r.id].seed == seed and fake.params[r.id].top_k == VOCAB
+    r = oai.chat.completions.create(model=MODEL, messages=GOOD_CHAT["messages"],
+                                    stop=[f"s{i}" for i in range(16)])
+    assert r.choices[0].finish_reason == "stop"
+    claude = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
+    m = claude.messages.create(model=MODEL, max_tokens=64, messages=GOOD_MESSAGES["messages"],
+                               stop_sequences=[f"s{i}" for i in range(16)],
+                               extra_body={"seed": -(2**63), "top_k": -1})
+    assert m.content[-1].text == "Hi! How are you?"
 
 
 def test_sdk_errors(base):
@@ -186,6 +165,15 @@ def test_sdk_errors(base):
         claude.messages.create(model="nope", max_tokens=5, messages=GOOD_MESSAGES["messages"])
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.create(model=MODEL, max_tokens=5000, messages=GOOD_MESSAGES["messages"])
+
+
+def test_error_messages_do_not_echo_huge_values(base):
+    for path, body in (("/v1/chat/completions", {**GOOD_CHAT, "model": "x" * 100_000}),
+                       ("/v1/messages", {**GOOD_MESSAGES, "model": "x" * 100_000}),
+                       ("/v1/chat/completions", {**GOOD_CHAT, "reasoning_effort": "y" * 100_000}),
+                       ("/v1/chat/completions", {**GOOD_CHAT, "temperature": "z" * 100_000})):
+        r = httpx.post(f"{base}{path}", json=body, timeout=30)
+        assert 400 <= r.status_code < 500 and len(r.content) < 1000, r.text[:200]
 
 
 def test_unknown_route_and_method(base):
@@ -297,32 +285,37 @@ def test_load_64_concurrent_streams(slow):
     assert time.monotonic() - start < 60
 
 
-METRIC_LINE = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? '
-                         r'(-?[0-9.e+-]+|\+Inf|NaN)$')
-
-
 def test_metrics(base):
     httpx.post(f"{base}/v1/chat/completions", json=GOOD_CHAT, timeout=30)
-    httpx.post(f"{base}/v1/chat/completions", content=b"{", timeout=30)
-    r = httpx.get(f"{base}/metrics")
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    values: dict[str, float] = {}
-    for line in r.text.splitlines():
-        if line.startswith("#"):
-            assert re.match(r"^# (HELP|TYPE) \S+ .+$", line), line
-            continue
-        assert METRIC_LINE.match(line), line
-        name, value = line.rsplit(" ", 1)
-        values[name] = float(value)
-    p = "autoopt_serve_"
-    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio",
-                  "kv_cache_capacity_tokens", "generation_tokens_per_second"):
-        assert p + gauge in values
-    assert values[p + "kv_cache_usage_ratio"] == 0.25  # what the fake engine's stats report
-    assert values[p + "generation_tokens_total"] > 0
-    assert values[p + "time_to_first_token_seconds_count"] >= 1
-    assert values[p + "inter_token_latency_seconds_count"] >= 1
-    assert values[p + 'requests_finished_total{endpoint="chat",finish_reason="stop"}'] >= 1
-    assert values[p + 'request_errors_total{status="400"}'] >= 1
-    buckets = [v for k, v in values.items() if k.startswith(p + "time_to_first_token_seconds_b")]
-    assert buckets == sorted(buckets)  # cumulative buckets never decrease
+    httpx.post(f"{base}/v1/chat/completions", content=b"{", headers=JSON, timeout=30)
+    values = scrape(base)
+    labels = {"model_name": MODEL}
+    assert metric(values, "vllm:num_requests_running", **labels) == 0
+    assert metric(values, "vllm:num_requests_waiting", **labels) == 0
+    assert metric(values, "vllm:kv_cache_usage_perc", **labels) == 0.25  # the fake's stats
+    assert metric(values, "autoopt:kv_cache_capacity_tokens", **labels) == 4096
+    assert metric(values, "autoopt:engine_healthy", **labels) == 1
+    assert metric(values, "vllm:generation_tokens_total", **labels) > 0
+    assert metric(values, "vllm:prompt_tokens_total", **labels) > 0
+    assert metric(values, "vllm:time_to_first_token_seconds_count", **labels) >= 1
+    assert metric(values, "vllm:inter_token_latency_seconds_count", **labels) >= 1
+    assert metric(values, "vllm:e2e_request_latency_seconds_count", **labels) >= 1
+    assert metric(values, "vllm:request_success_total", finished_reason="stop") >= 1
+    assert metric(values, "autoopt:requests_finished_total", endpoint="chat",
+                  finished_reason="stop") >= 1
+    assert metric(values, "http_requests_total", handler="/v1/chat/completions",
+                  method="POST", status="400") >= 1
+    assert metric(values, "http_requests_total", handler="/v1/chat/completions",
+                  method="POST", status="200") >= 1
+    assert not server_errors(values)
+    buckets = sorted((float(dict(ls)["le"]), v) for (n, ls), v in values.items()
+                     if n == "vllm:time_to_first_token_seconds_bucket")
+    assert [v for _, v in buckets] == sorted(v for _, v in buckets)  # cumulative
+
+
+def test_unknown_paths_share_one_metrics_label(base):
+    for i in range(5):
+        httpx.get(f"{base}/no/such/path/{i}", timeout=30)
+    values = scrape(base)
+    handlers = {dict(ls)["handler"] for (n, ls), _ in values.items() if n == "http_requests_total"}
+    assert "other" in handlers and not any(h.startswith("/no/") for h in handlers)

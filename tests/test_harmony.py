@@ -1,4 +1,4 @@
-"""Parsing Beam's responses (format: shared/FORMAT.md); streaming must equal non-streaming."""
+"""Parsing Beam's responses (format: docs/format.md); streaming must equal non-streaming."""
 
 from __future__ import annotations
 
@@ -349,3 +349,19 @@ def test_generated_turn_round_trips_through_the_template(tok: BeamTokenizer) -> 
 
 def test_special_tokens_list_covers_closers() -> None:
     assert {"<|return|>", "<|end|>", "<|call|>", "<|start|>"} <= set(SPECIAL_TOKENS)
+
+
+@pytest.mark.parametrize("schema,written,parsed", [
+    (True, "3", "3"),  # boolean schemas (valid JSON Schema) name no type: kept as written
+    ({"anyOf": [True, {"type": "integer"}]}, "3", 3),
+    ({"type": ["integer", "null"]}, "null", None),
+    ({"type": "number"}, "NaN", "NaN"),  # not JSON: would make the response invalid JSON
+    ({"type": "number"}, "Infinity", "Infinity"),
+    ({"type": 5}, "3", "3"),
+    ({"type": [{"a": 1}, "integer"]}, "3", 3),
+])
+def test_arguments_under_unusual_but_valid_schemas(schema, written, parsed) -> None:
+    from model.serve.harmony import parse_arguments
+
+    body = f'<rfl:parameter name="x">\n{written}\n</rfl:parameter>'
+    assert parse_arguments(body, {"x": schema}) == {"x": parsed}

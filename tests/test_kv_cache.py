@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from model.config import preset
-from model.serve.kv_cache import FULL, SWA, KVLayout, PagedKVCache
+from model.serve.engine.kv_cache import FULL, SWA, KVLayout, PagedKVCache
 
 
 def layout(window: int = 16, page: int = 4, full=(5, 7), swa=(0, 1, 2, 3, 4, 6)) -> KVLayout:

@@ -20,8 +20,8 @@ from model.demo import write_demo_checkpoint
 from model.ops import CONTRACTS, OpTable
 from model.registry import Registry
 from model.serve.engine import EngineConfig, LLMEngine, SamplingParams
+from model.serve.engine.kv_cache import FULL, SWA
 from model.serve.graphs import DecodeGraphs
-from model.serve.kv_cache import FULL, SWA
 
 # Two sliding-window layers (window 5) and one full-attention layer, dense MLPs.
 CFG = preset("tiny").replace(num_hidden_layers=3, sliding_window=5)

@@ -38,7 +38,7 @@ def test_outputs_written(run_dir, prof):
     out, text = run_dir
     assert (out / "profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads((out / "profile.json").read_text())
-    assert data["schema"] == "autoopt.profile/1" and data["target"] == "cpu-tiny"
+    assert data["schema"] == "autoopt.profile/2" and data["target"] == "cpu-tiny"
     for col in ("op", "calls", "kernels", "time", "share", "bytes", "GB/s", "floor", "gap"):
         assert col in text
     assert "torch.profiler" in text  # the fallback is stated
@@ -56,7 +56,7 @@ def test_every_model_op_appears(prof):
     assert MODEL_OPS <= set(CONTRACTS)
     present = {r.op for r in prof.rows if r.kernels > 0 and r.time_us > 0}
     assert MODEL_OPS <= present, MODEL_OPS - present
-    for region in ("embed", "o_proj", "lm_head"):
+    for region in ("embed", "o_proj", "lm_head", "paged_attention"):
         assert region in present
 
 
@@ -136,6 +136,7 @@ def test_prefill_step_on_cpu(tmp_path):
     p = profile_step(path, batch=2, repeats=1)
     assert p.phase == "prefill" and p.context == 19
     assert MODEL_OPS <= {r.op for r in p.rows if r.kernels > 0}
+    assert "paged_attention" in {r.op for r in p.rows}  # the backend's range, the op inside
     assert p.row("attention").calls == p.layers  # one call per layer over both prompts
     assert p.row("logit_softcap").calls == 1
     assert abs(sum(r.share for r in p.rows) - 100.0) <= 0.5

@@ -305,15 +305,18 @@ def test_run_ncu_with_a_fake_cli(monkeypatch, tmp_path):
             print(open({str(csv_path)!r}).read())
         else:
             assert "--clock-control" in args and args[args.index("--clock-control") + 1] == "none"
-            assert args[args.index("--nvtx-include") + 1] == "autoopt_step/"
-            assert "autoopt.profiler.workload" in args
+            assert args[args.index("--nvtx-include") + 1] == "autoopt_sample/"
+            assert args[args.index("--launch-count") + 1] == "24"
+            assert "autoopt.profiler.child" in args
+            assert args[args.index("--ops") + 1] == "moe_experts,rmsnorm"
             open(args[args.index("-o") + 1] + ".ncu-rep", "w").write("rep")
     ''')
     monkeypatch.setenv("AUTOOPT_NCU", str(script))
     monkeypatch.delitem(sys.modules, "ncu_report", raising=False)
     monkeypatch.setattr(nsight, "_ncu_report_module",
                         lambda ncu: (_ for _ in ()).throw(ImportError("no ncu_report")))
-    run = nsight.run_ncu("cpu-tiny", 1, 8, 40, out_dir=tmp_path / "rep", timeout_s=120)
+    run = nsight.run_ncu("cpu-tiny", 1, 8, 40, out_dir=tmp_path / "rep", timeout_s=120,
+                         ops=("moe_experts", "rmsnorm"), launch_count=24)
     assert run.version == "2025.3.1.0" and run.reader.startswith("csv")
     assert [r.op for r in run.records] == ["moe_experts", "rmsnorm"]
 
@@ -329,30 +332,35 @@ def test_run_ncu_failure_is_reported(monkeypatch, tmp_path):
         nsight.run_ncu("cpu-tiny", 1, 8, 40, out_dir=tmp_path / "rep", timeout_s=120)
 
 
-def test_assemble_prefers_ncu_and_aligns_unlabelled_kernels(monkeypatch):
-    import torch
-
-    import autoopt.profiler as profiler
-    from autoopt.profiler import _assemble
-    from autoopt.profiler.torch_trace import Trace
+def test_the_nsight_sample_is_bounded_to_the_top_ops(monkeypatch):
+    """Nsight Compute replays only the top ops' kernels of the fewest layers that hold every
+    layer kind, at most `launch_count` of them; a failure is recorded, not raised."""
+    from autoopt.profiler.attribution import OpRow, Profile
     from autoopt.targets import load_target
 
-    monkeypatch.setattr(profiler, "local_rates", lambda *a: Rates(4e12, 8e14, 5e13, "test"))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    rows = tuple(OpRow(op, 1, 1, t, 10.0, floor_us=1.0, gap_us=t - 1.0) for op, t in
+                 (("moe_experts", 90.0), ("router", 50.0), ("rmsnorm", 9.0), ("swiglu", 5.0),
+                  ("o_proj", 80.0)))
+    p = Profile("cpu-tiny", "decode", 3, 40, 8, "reference", "torch", "", "NVIDIA H200", None,
+                rows, 300.0, "", 234.0, 10.0, Rates(4e12, 8e14, 5e13, "test"),
+                checks={"seed": 4})
+    seen = {}
 
-    t = load_target("cpu-tiny")
-    trace = Trace([KernelRecord("k1", "rmsnorm", 2.0), KernelRecord("k2", "moe_experts", 6.0),
-                   KernelRecord("m", OTHER, 1.0, kind="memcpy")], {"rmsnorm": 1}, 50.0, "cuda")
-    # No NVTX stacks in the report: labels come from the trace by launch order.
-    ncu = nsight.NcuRun([KernelRecord("k1", OTHER, 2.2, 100), KernelRecord("k2", OTHER, 6.6, 900)],
-                        "2025.3.1", 12.0, "csv", "ncu ...")
-    p = _assemble(t, 3, 40, 8, "reference", 0, None, torch.device("cuda"), trace, ncu,
-                  "ncu 2025.3.1", 20.0, None, "not capturable", [])
-    assert p.backend == "ncu" and "launch order" in p.backend_note
-    assert p.row("moe_experts").bytes == 900 and p.row("moe_experts").bytes_source == "ncu"
-    assert p.kernel_us == pytest.approx(8.8) and p.row(IDLE).time_us == pytest.approx(11.2)
-    assert p.checks["ncu_vs_torch_profiler_kernel_time"] == pytest.approx(8.8 / 9.0)
-    assert p.step_source.startswith("CUDA events")
+    def fake_run(target, batch, layers, context, kernels, seed, **kw):
+        seen.update(target=target, batch=batch, layers=layers, seed=seed, **kw)
+        return nsight.NcuRun([KernelRecord("k", "moe_experts", 3.0, 6000)], "2025.3.1", 9.0,
+                             "csv", "ncu ...")
+
+    monkeypatch.setattr(nsight, "run_ncu", fake_run)
+    out = nsight.sample_top_kernels(p, 24)
+    assert seen["ops"] == ("moe_experts", "router", "rmsnorm")  # op contracts by gap
+    assert seen["launch_count"] == 24 and seen["batch"] == 3 and seen["seed"] == 4
+    assert seen["layers"] == nsight.sample_layers(load_target("cpu-tiny")) == 6
+    k = out.checks["ncu_sample"]["kernels"][0]
+    assert k["dram_bytes"] == 6000 and k["gb_s"] == pytest.approx(2.0)
+    monkeypatch.setattr(nsight, "run_ncu", lambda *a, **k: (_ for _ in ()).throw(
+        nsight.NcuError("no ncu")))
+    assert nsight.sample_top_kernels(p, 24).checks["ncu_sample"]["error"] == "no ncu"
 
 
 def test_run_ncu_timeout_ends_the_child(monkeypatch, tmp_path):
@@ -365,3 +373,27 @@ def test_run_ncu_timeout_ends_the_child(monkeypatch, tmp_path):
     with pytest.raises(nsight.NcuError, match="did not finish within 1 s"):
         nsight.run_ncu("cpu-tiny", 1, 8, 40, out_dir=tmp_path / "rep", timeout_s=1)
     assert __import__("time").perf_counter() - start < 30
+
+
+def test_the_profiled_child_ranges_only_the_sampled_ops(monkeypatch, capsys):
+    """The process ncu profiles (autoopt.profiler.child): after its warm-up, every call of the
+    sampled ops, and nothing else, runs inside [autoopt_sample, <op>]."""
+    import torch
+
+    from autoopt.profiler import child
+
+    stack, seen = [], []
+
+    def push(name):
+        stack.append(name)
+        seen.append(tuple(stack))
+
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", push)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: stack.pop())
+    child.main(["--target", "cpu-tiny", "--batch", "2", "--layers", "6", "--ops",
+                "moe_experts,rmsnorm"])
+    assert "step done" in capsys.readouterr().out and stack == []
+    inner = [s for s in seen if len(s) == 2]
+    assert {s[1] for s in inner} == {"moe_experts", "rmsnorm"}
+    assert all(s[0] == nsight.SAMPLE_RANGE for s in inner)
+    assert [s[1] for s in inner].count("moe_experts") == 3  # layers 3-5 of 6 are MoE

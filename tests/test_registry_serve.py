@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from autoopt.cli import app
 from model.demo import write_demo_checkpoint
-from model.serve.api import ServeOptions, engine_config
 from model.serve.engine import EngineConfig, LLMEngine, SamplingParams
+from model.serve.http.server import ServeOptions, engine_config
 
 from .registry_support import torch_registry
 

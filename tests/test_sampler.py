@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from model.serve.sampler import (
+from model.serve.engine.sampler import (
     RequestError,
     Sampler,
     SampleRequest,
@@ -16,6 +16,7 @@ from model.serve.sampler import (
     find_stop,
     make_generator,
     partial_stop_suffix,
+    sample_isolated,
 )
 
 VOCAB = 123
@@ -119,11 +120,52 @@ def test_logprobs_are_the_model_distribution(logits) -> None:
 
 @pytest.mark.parametrize("bad", [
     {"max_tokens": 0}, {"max_tokens": -3}, {"temperature": -0.1}, {"top_p": 0.0},
-    {"top_p": 1.5}, {"top_k": -2}, {"min_p": 1.2}, {"logprobs": 21}, {"stop": [""]}])
+    {"top_p": 1.5}, {"top_k": -2}, {"min_p": 1.2}, {"logprobs": 21}, {"stop": [""]},
+    {"temperature": math.nan}, {"temperature": math.inf}, {"top_p": math.nan},
+    {"min_p": math.nan}, {"seed": 2**64}, {"seed": 2**63}, {"seed": -(2**63) - 1},
+    {"seed": 1.5}, {"top_k": 2.0}, {"max_tokens": True}, {"stop_token_ids": [1.5]}])
 def test_bad_parameters_raise_request_error(bad) -> None:
     with pytest.raises(RequestError):
         SamplingParams(**bad)
     assert issubclass(RequestError, ValueError)
+
+
+@pytest.mark.parametrize("given,used", [
+    (1e-45, 0.0), (9.99e-6, 0.0), (1e-5, 0.01), (5e-3, 0.01), (0.01, 0.01), (0.7, 0.7)])
+def test_tiny_temperatures_are_greedy_or_raised_to_the_floor(given, used) -> None:
+    p = SamplingParams(temperature=given)
+    assert p.temperature == used and p.greedy == (used == 0)
+
+
+def test_extreme_valid_parameters_sample_finite_tokens(logits) -> None:
+    """The values that once stopped the engine: int64's ends as seeds, the smallest positive
+    temperature, top_k at the vocabulary."""
+    rows = [SampleRequest(p, make_generator(p.seed, torch.device("cpu"))) for p in (
+        SamplingParams(temperature=1e-45, seed=-(2**63)),
+        SamplingParams(temperature=5e-3, seed=2**63 - 1),
+        SamplingParams(temperature=1.0, top_k=VOCAB, seed=0),
+        SamplingParams(temperature=100.0, top_p=1e-9, seed=1),
+        SamplingParams(temperature=2.0, min_p=1.0, seed=2))]
+    tokens, _ = Sampler()(logits, rows)
+    assert all(0 <= t < VOCAB for t in tokens)
+    assert tokens[0] == int(logits[0].argmax())  # 1e-45 is greedy
+
+
+def test_a_failing_row_is_pinned_on_its_request(logits) -> None:
+    rows = [SampleRequest(SamplingParams(temperature=0), None) for _ in range(5)]
+    sampler = Sampler()
+
+    def flaky(lg, rs):
+        if any(r is rows[2] for r in rs):
+            raise RuntimeError("row 2 cannot be sampled")
+        return sampler(lg, rs)
+
+    tokens, lps, errors = sample_isolated(flaky, logits, rows)
+    assert [e is not None for e in errors] == [False, False, True, False, False]
+    assert tokens[2] is None and tokens[:2] + tokens[3:] == \
+        logits[[0, 1, 3, 4]].argmax(-1).tolist()
+    tokens, _, errors = sample_isolated(sampler, logits, rows)
+    assert errors == [None] * 5 and tokens == logits.argmax(-1).tolist()
 
 
 def test_params_normalize_stop_lists() -> None:

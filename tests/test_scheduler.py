@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from model.serve.kv_cache import KVLayout, PagedKVCache
-from model.serve.scheduler import Scheduler, SchedulerConfig, Sequence, Status
+from model.serve.engine.kv_cache import KVLayout, PagedKVCache
+from model.serve.engine.scheduler import Scheduler, SchedulerConfig, Sequence, Status
 
 
 def make(max_seqs: int = 4, budget: int = 16, full_pages: int = 100, swa_pages: int = 100,

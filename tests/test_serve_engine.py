@@ -10,7 +10,7 @@ import torch
 from model.config import preset
 from model.demo import write_demo_checkpoint
 from model.serve.engine import EngineConfig, LLMEngine, RequestError, SamplingParams
-from model.serve.kv_cache import FULL, SWA
+from model.serve.engine.kv_cache import FULL, SWA
 from tests._hf import save_hf_checkpoint
 
 NEW = 12  # tokens generated per prompt
@@ -35,7 +35,7 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(checkpoints, prompts) -> dict:
     """transformers' greedy continuation of every prompt, per checkpoint (FP32, eager attention,
-    grouped_mm experts: the pinned reference of NUMERICS.md)."""
+    grouped_mm experts: the pinned reference of docs/numerics.md)."""
     from transformers import AutoModelForCausalLM
 
     out = {}
@@ -208,5 +208,5 @@ def test_abort_frees_everything_and_reports(checkpoints, prompts) -> None:
         eng.step()
     eng.cache.check_no_leaks(set())
     stats = eng.stats()
-    assert stats.requests_finished_total == {"stop": 0, "length": 2, "abort": 1}
+    assert stats.requests_finished_total == {"stop": 0, "length": 2, "abort": 1, "error": 0}
     assert stats.num_running == stats.num_waiting == 0 and stats.kv_usage == 0.0

@@ -1,7 +1,7 @@
-"""The pieces CUDA-graph decode is made of, checked on the CPU: the capture-safe grouped MoE
-against the `moe_experts` reference, the attention reference's decode form against its
-per-sequence form, and the padded static-buffer decode forward (what a graph replays) against
-eager decode."""
+"""The pieces CUDA-graph decode is made of, checked on the CPU: the attention reference's decode
+form against its per-sequence form, the padded static-buffer decode forward (what a graph
+replays) against eager decode, and that an op whose reference syncs with the host blocks
+capture, saying why (the capturable moe_experts variants are tested in test_kernels_moe.py)."""
 
 from __future__ import annotations
 
@@ -9,31 +9,18 @@ import pytest
 import torch
 
 from model.demo import write_demo_checkpoint
-from model.ops import moe_experts
+from model.ops import OpTable
 from model.ops.attention import eager_attention
 from model.ops.attention import reference as attention_ref
 from model.serve.engine import EngineConfig, LLMEngine, SamplingParams
-from model.serve.graphs import DecodeGraphs, batch_buckets, grouped_moe_experts
+from model.serve.graphs import DecodeGraphs, batch_buckets, uncapturable
+
+from .registry_support import lock_shipped, resolve
 
 
 @pytest.fixture
 def gen() -> torch.Generator:
     return torch.Generator().manual_seed(0)
-
-
-@pytest.mark.parametrize("tokens", [1, 17, 123])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("offset", [0, 8])
-def test_grouped_moe_matches_reference(tokens: int, dtype: torch.dtype, offset: int) -> None:
-    shape = {"T": tokens, "H": 64, "E": 16, "I": 32, "k": 8}
-    x, gate_up, down, weights, ids, scale = moe_experts.make_inputs(shape, seed=tokens)[:6]
-    x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
-    ids = (ids % 32)  # with offset 8, experts 0-7 and 24-31 are held elsewhere
-    ref = moe_experts.reference(x, gate_up, down, weights, ids, scale, offset)
-    out = grouped_moe_experts(x, gate_up, down, weights, ids, scale, offset)
-    # Same rounding points; the per-expert GEMMs may sum in another order (1 ulp of BF16).
-    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.02, "rtol": 0.01}
-    torch.testing.assert_close(out, ref, **tol)
 
 
 @pytest.mark.parametrize("window", [0, 5])
@@ -64,6 +51,15 @@ def test_decode_rows_match_per_sequence_attention(gen, window: int, dtype: torch
         # Masked padding keys add exact zeros; only the summation length differs.
         torch.testing.assert_close(out[b:b + 1], ref, atol=1e-5 if dtype == torch.float32
                                    else 1e-2, rtol=1e-3)
+
+
+def test_reference_moe_blocks_capture_and_a_locked_variant_does_not(tmp_path) -> None:
+    assert uncapturable(OpTable()) == ["moe_experts runs its reference, which loops over the "
+                                       "experts present (a host sync)"]
+    reg = lock_shipped(tmp_path / "registry", "moe_experts", "grouped_mm_v1", "cpu")
+    ops, refused = resolve(reg)
+    assert not refused and ops.sources["moe_experts"].startswith("grouped_mm_v1")
+    assert uncapturable(ops) == []
 
 
 def test_batch_buckets() -> None:

@@ -15,7 +15,7 @@ import torch
 from model.beam import BeamForCausalLM
 from model.config import preset
 from model.serve.engine import EngineConfig, LLMEngine, SamplingParams
-from model.serve.kv_cache import FULL, SWA, KVLayout
+from model.serve.engine.kv_cache import FULL, SWA, KVLayout
 
 VOCAB = 2048
 

@@ -1,5 +1,6 @@
 """On a CUDA GPU: decode steps captured in CUDA graphs give what the same padded forward gives
-eagerly, and whole generations with graphs equal those without."""
+eagerly, and whole generations with graphs equal those without. Capture needs a capturable
+moe_experts (the reference syncs with the host): these engines lock grouped_mm_v1."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import pytest
 import torch
 
 from model.demo import write_demo_checkpoint
+from model.registry import current_arch
 from model.serve.engine import EngineConfig, LLMEngine, SamplingParams
+
+from .registry_support import lock_shipped
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,22 +30,37 @@ def prompts() -> list[list[int]]:
     return [torch.randint(8, 2048, (n,), generator=g).tolist() for n in (1, 5, 17, 40, 23, 64)]
 
 
-def gpu_engine(path, graphs: bool) -> LLMEngine:
+@pytest.fixture(scope="module")
+def moe_lock(tmp_path_factory):
+    """A registry whose lock selects only moe_experts grouped_mm_v1 for this GPU's arch (every
+    other op: the reference); tests/test_kernels_moe.py verifies the variant itself."""
+    root = tmp_path_factory.mktemp("registry")
+    return str(lock_shipped(root, "moe_experts", "grouped_mm_v1", current_arch("cuda")).root)
+
+
+def gpu_engine(path, graphs: bool, registry: str | None = None) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="bfloat16",
-                                  kernels="reference", max_num_seqs=8, max_model_len=160,
+                                  kernels="tuned" if registry else "reference",
+                                  registry=registry, max_num_seqs=8, max_model_len=160,
                                   max_num_batched_tokens=64, cuda_graphs=graphs,
                                   kv_cache_bytes=256 * 2**20))
 
 
-def test_capture_succeeds(demo) -> None:
+def test_reference_moe_is_not_captured_and_says_why(demo) -> None:
     eng = gpu_engine(demo, graphs=True)
+    assert eng.runner.graphs is None
+    assert any("moe_experts runs its reference" in n for n in eng.runner.notes), eng.runner.notes
+
+
+def test_capture_succeeds(demo, moe_lock) -> None:
+    eng = gpu_engine(demo, graphs=True, registry=moe_lock)
     assert eng.runner.graphs is not None, eng.runner.notes
     assert any("captured" in n for n in eng.runner.notes)
     assert eng.cache.capacity_tokens >= 160
 
 
-def test_graph_replay_equals_the_same_forward_run_eagerly(demo, prompts) -> None:
-    eng = gpu_engine(demo, graphs=True)
+def test_graph_replay_equals_the_same_forward_run_eagerly(demo, prompts, moe_lock) -> None:
+    eng = gpu_engine(demo, graphs=True, registry=moe_lock)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts[:5]):
         eng.add_request(str(i), p, params)
@@ -62,8 +81,8 @@ def test_graph_replay_equals_the_same_forward_run_eagerly(demo, prompts) -> None
             c.seq.output_ids.append(t)
 
 
-def test_generation_with_graphs_equals_eager(demo, prompts) -> None:
-    eng = gpu_engine(demo, graphs=True)
+def test_generation_with_graphs_equals_eager(demo, prompts, moe_lock) -> None:
+    eng = gpu_engine(demo, graphs=True, registry=moe_lock)
     for params in (SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
                    SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=5,
                                   ignore_eos=True)):
@@ -75,12 +94,12 @@ def test_generation_with_graphs_equals_eager(demo, prompts) -> None:
     eng.cache.check_no_leaks(set())
 
 
-def test_graph_engine_agrees_with_a_plain_eager_engine(demo, prompts) -> None:
-    # Without graphs the reference MoE runs (not the capture-safe grouped_mm one) and decode
-    # tables are as wide as the batch needs: BF16 results agree up to reduction order, so only
-    # the first token, from the prefill logits, is compared exactly; the logits closely.
+def test_graph_engine_agrees_with_a_plain_eager_engine(demo, prompts, moe_lock) -> None:
+    # Without graphs the reference MoE runs (not grouped_mm_v1) and decode tables are as wide as
+    # the batch needs: BF16 results agree up to reduction order, so only the first token, from
+    # the prefill logits, is compared exactly; the logits closely.
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=5, ignore_eos=True)
-    with_graphs = gpu_engine(demo, graphs=True).generate(prompts, params)
+    with_graphs = gpu_engine(demo, graphs=True, registry=moe_lock).generate(prompts, params)
     plain = gpu_engine(demo, graphs=False).generate(prompts, params)
     for a, b in zip(with_graphs, plain):
         assert a.token_ids == b.token_ids

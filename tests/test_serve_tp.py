@@ -28,9 +28,9 @@ from autoopt.cli import app
 from model.config import BeamConfig
 from model.demo import write_demo_checkpoint
 from model.serve.engine import EngineConfig, LLMEngine
-from model.serve.kv_cache import FULL, SWA, KVLayout
-from model.serve.sampler import SamplingParams
-from model.serve.tp_worker import generate_tp
+from model.serve.engine.kv_cache import FULL, SWA, KVLayout
+from model.serve.engine.sampler import SamplingParams
+from model.serve.engine.tp_worker import generate_tp
 
 # Lengths 1, 17, 5 and 23: with 16 tokens a step, prompt chunks share steps with decodes.
 PROMPTS = [[7], list(range(100, 117)), [9, 10, 11, 12, 13], list(range(500, 523))]

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from autoopt import env
 from autoopt.cli import app
-from autoopt.profiler.workload import kv_bytes, plan_layers, weight_bytes
+from autoopt.profiler.rank import kv_bytes, plan_layers, weight_bytes
 from autoopt.targets import (
     TargetError,
     gpu_matches,
@@ -59,9 +59,13 @@ def test_op_shapes_derive_from_config_and_contracts(batch):
     for op in ("rmsnorm", "qkv_gate_proj", "router", "moe_experts", "attn_output_gate"):
         assert shapes[op] == CONTRACTS[op].shapes_for(cfg, batch, shard)
     assert shapes["qkv_gate_proj"]["Hq"] == 48 // 8 and shapes["qkv_gate_proj"]["Hkv"] == 1
-    # Decode attention: one query per sequence against the whole cached context, one call.
-    assert shapes["attention"] == {"T": batch, "B": batch, "S": 100000, "Hq": 6, "Hkv": 1,
-                                   "D": 128, "W": 0, "page": 16}
+    # The shapes of the ops the served step calls: under TP8 the boundary is the fused op; decode
+    # attention is one paged call per layer over every sequence (one query each).
+    assert shapes["allreduce_norm_residual_norm"] == {"R": 8, "T": batch, "H": 5120}
+    assert "norm_residual_norm" not in shapes
+    att = shapes["attention"]
+    assert (att["T"], att["B"], att["Hq"], att["Hkv"], att["W"]) == (batch, batch, 6, 1, 0)
+    assert att["S"] >= 100000  # the keys a row's pages hold
 
 
 @pytest.mark.parametrize("batch", [1, 17, 123])
@@ -99,7 +103,8 @@ def test_full_tp8_rank_fits_one_h200():
     t = load_target("h200-tp8-decode")
     w = weight_bytes(t, 52)
     assert 120e9 < w < 130e9
-    assert kv_bytes(t, 32, 100000, 52) == 2 * 2 * 32 * (9 * 100000 + 43 * 512) * 1 * 128
+    # Sliding layers hold a window plus the pages it straddles.
+    assert kv_bytes(t, 32, 100000, 52) == 2 * 2 * 32 * (9 * 100000 + 43 * (512 + 32)) * 1 * 128
     free = int(150e9)  # an H200 as torch reports it before the model is built
     assert plan_layers(t, 32, 100000, free)[0] == 52
     n, why = plan_layers(t, 64, 100000, free)

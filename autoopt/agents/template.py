@@ -157,6 +157,22 @@ CATALOG: dict[str, tuple[TemplateSpec, ...]] = {
         "logit_softcap", "tiles", "logit_softcap__tiles.py",
         "divide, tanh and scale fused, FP32 out written once, in token x vocab tiles. " + _LAUNCH,
         "one kernel instead of three; bound by the FP32 write"),),
+    "moe_experts": (TemplateSpec(
+        "moe_experts", "fused", "moe_experts__fused.py",
+        "at decode the routed experts are a weight stream: a sort-free kernel over (pair, N-tile) "
+        "streams each hit expert's gate|up once with SwiGLU in its epilogue, and one kernel over "
+        "(token, H-tile) does all k down GEMVs, the weights and the ordered combine, replacing "
+        "~35 launches; at prefill, sorted expert row tiles with tl.dot. Tile sizes, MMA or "
+        "multiply-reduce, warps, stages, the path and PDL are tuned per token bucket.",
+        "two launches at decode near the HBM floor of the hit experts' bytes (>= 70% for T <= 8); "
+        "grouped tiles at prefill"),),
+    "router": (TemplateSpec(
+        "router", "splitk", "router__splitk.py",
+        "the reference's ~22 kernels (FP32 GEMM, sigmoid, bias, group top-2, group top-k, "
+        "masked top-k, gather, renorm) become a split-K GEMV that streams the 5.2 MB FP32 "
+        "weight over all SMs and one selection pass (fused into the last GEMV program at "
+        "decode); the split, tiles and warps are tuned per token bucket.",
+        "within 2x of the weight-read floor at T <= 8 in one kernel; two kernels above"),),
 }
 
 

@@ -96,6 +96,22 @@ def ulp_diff(cand: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return torch.where(cn ^ rn, torch.full_like(d, NAN_ULP), d)
 
 
+def ulp_diff_at(cand: torch.Tensor, ref: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+    """Signed difference cand - ref in units of the last place of max(|ref|, magnitude), rounded
+    away from zero (any bitwise difference counts at least 1); NaNs as in `ulp_diff`."""
+    base = ulp_diff(cand, ref)
+    info = torch.finfo(ref.dtype)
+    m = torch.maximum(ref.double().abs(), magnitude.to(ref.device).double().abs())
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).clamp_min(info.tiny)
+    unit = torch.exp2(torch.floor(torch.log2(m)) - _MANT[ref.dtype])
+    units = torch.ceil((cand.double() - ref.double()).abs() / unit).to(torch.int64)
+    scaled = torch.sign(base) * torch.minimum(units, base.abs())
+    return torch.where(base.abs() >= NAN_ULP, base, scaled)
+
+
+_MANT = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}
+
+
 @dataclass
 class OutputStats:
     """Running comparison of one output against the reference over all trials."""
@@ -109,18 +125,23 @@ class OutputStats:
     excluded: int = 0  # elements not judged (router tie rows)
     exact: dict[int, int] = field(default_factory=dict)  # mismatches at exactly 1..16 ulps
 
-    def add(self, cand: torch.Tensor, ref: torch.Tensor, keep: torch.Tensor | None = None) -> dict:
-        """Fold one trial in; return that trial's own numbers."""
+    def add(self, cand: torch.Tensor, ref: torch.Tensor, keep: torch.Tensor | None = None,
+            magnitude: torch.Tensor | None = None) -> dict:
+        """Fold one trial in; return that trial's own numbers. With `magnitude`, ulps are
+        counted at max(|ref|, magnitude) (the contract's `Numerics.magnitude`)."""
+        if magnitude is not None and ref.dtype.is_floating_point:
+            magnitude = magnitude.expand_as(ref)
         if keep is not None:
             self.excluded += int((~keep).sum())
             cand, ref = cand[keep], ref[keep]
+            magnitude = magnitude[keep] if magnitude is not None else None
         n = ref.numel()
         if not ref.dtype.is_floating_point:
             mism = int((cand != ref).sum())
             self.elements += n
             self.mismatches += mism
             return {"elements": n, "mismatches": mism}
-        d = ulp_diff(cand, ref)
+        d = ulp_diff(cand, ref) if magnitude is None else ulp_diff_at(cand, ref, magnitude)
         a = d.abs()
         nz = a != 0
         mism = int(nz.sum())

@@ -1,23 +1,25 @@
-"""Where a target's step spends its time: `profile_step(target, batch) -> Profile`.
+"""Where a target's served step spends its time: `profile_step(target, batch) -> Profile`.
 
-Attribution is made on an eager step: NVTX (and torch.profiler) ranges are host-side and are
-not re-emitted when a CUDA graph replays, so kernels launched by a replay cannot be attributed.
-Where the runtime would graph the step (decode on a GPU), the graph replay of the same step is
-timed separately with CUDA events (`Profile.graph_step_us`); the attributed wall time is the
-eager step's, and its time on no kernel is the "launch overhead / idle" line.
+The step profiled is the one the server runs (served.py): the target's rank model in
+`model/serve`'s engine, a paged KV cache pre-filled to the target's context, real sequences, and
+on a GPU the decode step's CUDA-graph replay. Its ops and their shapes are recorded from that
+step's own forward (inventory.py), its floor counts the weights its routing touched plus its KV
+traffic (floor.py), and its kernel time is attributed to ops inside the graph replay by aligning
+the replay's kernel trace with an eager pass of the same forward (graph_trace.py). `eager=True`
+profiles the eager step instead (ops ranges apply directly); prefill and CPU steps are eager.
 
-Backends: `ncu` (Nsight Compute in a child process: measured kernel durations and DRAM bytes;
-an in-process torch.profiler pass of the same step supplies call counts and a CUPTI kernel-time
-cross-check) and `torch` (torch.profiler alone: kernel times from CUPTI on a GPU, top-level aten
-op times on the CPU; bytes from the op cost models). `auto` takes ncu on a GPU where it is
-installed, else torch; a failed ncu run falls back to torch and says so.
+Backend: torch.profiler (CUPTI kernel times on a GPU, top-level aten ops on the CPU). Nsight
+Compute is used only where it is worth its cost: `ncu_sample=N` replays up to N kernels of the
+top ops in a child process (nsight.py) and adds their measured DRAM bytes; never the whole step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import platform
+import statistics
 import subprocess
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -25,58 +27,42 @@ import torch
 
 from .. import env
 from ..targets import Target, TargetError, load_target
-from .attribution import OTHER, KernelRecord, Profile, Rates, align_by_order, attribute
-from .workload import build_workload, default_device, free_workload, plan_layers
+from .attribution import OTHER, KernelRecord, Profile, Rates, attribute
+from .rank import build_rank_model, default_device, free_model, plan_layers
 
-BACKENDS = ("auto", "ncu", "torch")
+BACKENDS = ("auto", "torch", "ncu")
 DEFAULT_BACKEND = "auto"
 DEFAULT_KERNELS = "reference"
-ATTRIBUTION_NOTE = (
-    "kernels attributed on an eager step through NVTX/profiler ranges (ranges are not re-emitted "
-    "under CUDA-graph replay); the graph replay, where captured, is timed separately "
-    "(graph_step_us); idle = the attributed step's wall time - its kernel time")
+GRAPH_NOTE = ("kernel times from the CUDA-graph replay of the served step (CUPTI); each replayed "
+              "kernel labelled with its op by aligning the replay's kernel sequence with an "
+              "eager pass of the same static-buffer forward inside op ranges")
+EAGER_NOTE = ("kernels attributed on the eager served step through profiler ranges; idle = the "
+              "step's wall time - its kernel time")
+_RATES: dict[str, Rates] = {}
 
 __all__ = ["BACKENDS", "DEFAULT_BACKEND", "DEFAULT_KERNELS", "Profile", "local_rates",
-           "profile_step", "time_step"]
+           "profile_batches", "profile_step", "versions"]
 
 
-def time_step(work, repeats: int = 3) -> tuple[float, float | None]:
-    """Median eager step time and, if the step graphs, median graph-replay time, in µs.
-
-    Timed by the project's one harness (`autoopt.eval.timing.time_callable`) with CUDA events,
-    one step per sample: the step's weights are far larger than the L2, so no input rotation.
-    """
-    from ..eval.timing import time_callable
-
-    dev = str(work.device)
-    eager = time_callable(work.step, [()], device=dev, warmup=1, iters=repeats,
-                          use_cuda_graph=False).median_us
-    graph_us = None
-    if work.capture_graph():
-        graph_us = time_callable(work.graph.replay, [()], device=dev, warmup=1, iters=repeats,
-                                 use_cuda_graph=False).median_us
-    return eager, graph_us
-
-
-def local_rates(target: Target, device: torch.device, proxy: str | None) -> Rates:
-    """Measured ceilings of the local GPU (cached per GPU), else the target's datasheet values."""
+def local_rates(target: Target, device: torch.device, proxy: str | None = None) -> Rates:
+    """Ceilings measured on the local GPU in this process (once), else the target's datasheet
+    values (CPU targets: nominal, not meaningful)."""
     hw = target.hardware
     sheet = Rates(hw.hbm_tb_s * 1e12, hw.bf16_tflop_s * 1e12, hw.fp32_tflop_s * 1e12,
                   f"datasheet ({target.name})", meaningful=not hw.is_cpu)
     if device.type != "cuda":
         return sheet
-    try:
+    key = str(device)
+    if key not in _RATES:
         from ..eval.timing import measure_ceilings
-    except ImportError:
-        return Rates(sheet.bandwidth_bytes_s, sheet.bf16_flops_s, sheet.fp32_flops_s,
-                     sheet.source + "; autoopt.eval.timing is not available to measure",
-                     sheet.meaningful and proxy is None)
-    c = measure_ceilings(str(device))
-    return Rates(c.copy_bytes_s, c.bf16_flops_s, c.fp32_flops_s, f"measured on {c.gpu}",
-                 bool(c.meaningful))
+
+        c = measure_ceilings(str(device), refresh=True)
+        _RATES[key] = Rates(c.copy_bytes_s, c.bf16_flops_s, c.fp32_flops_s,
+                            f"measured on {c.gpu} in this process", bool(c.meaningful))
+    return _RATES[key]
 
 
-def _versions(ncu_version: str | None) -> dict[str, str]:
+def versions(extra: dict[str, str] | None = None) -> dict[str, str]:
     v = {"python": platform.python_version(), "torch": torch.__version__,
          "cuda": str(torch.version.cuda)}
     try:
@@ -85,116 +71,159 @@ def _versions(ncu_version: str | None) -> dict[str, str]:
         v["triton"] = triton.__version__
     except ImportError:
         v["triton"] = "not installed"
-    if ncu_version:
-        v["ncu"] = ncu_version
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=env.REPO_ROOT,
                              capture_output=True, text=True, timeout=10)
         v["git"] = out.stdout.strip() or "unknown"
     except (OSError, subprocess.TimeoutExpired):
         v["git"] = "unknown"
-    return v
+    return v | (extra or {})
 
 
-def _choose_backend(backend: str, device: torch.device) -> str:
+def _check_backend(backend: str, device: torch.device) -> None:
     if backend not in BACKENDS:
         raise TargetError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
-    if backend == "auto":
-        from .nsight import find_ncu
-
-        return "ncu" if device.type == "cuda" and find_ncu() else "torch"
     if backend == "ncu" and device.type != "cuda":
         raise TargetError("the ncu backend needs a CUDA GPU; use --backend torch (or auto)")
-    return backend
 
 
 def profile_step(target: Target | str | Path, batch: int | None = None, layers: int | None = None,
                  kernels: str = DEFAULT_KERNELS, proxy: bool = False,
-                 backend: str = DEFAULT_BACKEND,
-                 context: int | None = None, seed: int = 0, ncu_timeout_s: float = 600.0,
-                 repeats: int | None = None, registry: str | Path | None = None) -> Profile:
-    """Profile one step of `target` at `batch` and return the attributed table; `tuned` and lock
-    files take their variants from `registry` (default: the repo's kernels/)."""
-    reg = str(registry) if registry is not None else None
+                 backend: str = DEFAULT_BACKEND, context: int | None = None, seed: int = 0,
+                 repeats: int | None = None, registry: str | Path | None = None,
+                 eager: bool = False, attention_backend: str = "auto",
+                 ncu_sample: int = 0, ncu_timeout_s: float = 300.0) -> Profile:
+    """Profile one served step of `target` at `batch` (see the module docstring)."""
     t = target if isinstance(target, Target) else load_target(target)
-    batch = batch or t.batch_sizes[0]
-    ctx = context or t.contexts[0]
+    return profile_batches(t, [batch or t.batch_sizes[0]], layers=layers, kernels=kernels,
+                           proxy=proxy, backend=backend, context=context, seed=seed,
+                           repeats=repeats, registry=registry, eager=eager,
+                           attention_backend=attention_backend, ncu_sample=ncu_sample,
+                           ncu_timeout_s=ncu_timeout_s)[0]
+
+
+def profile_batches(target: Target | str | Path, batches: Sequence[int], *,
+                    layers: int | None = None, kernels: str = DEFAULT_KERNELS,
+                    proxy: bool = False, backend: str = DEFAULT_BACKEND,
+                    context: int | None = None, seed: int = 0, repeats: int | None = None,
+                    registry: str | Path | None = None, eager: bool = False,
+                    attention_backend: str = "auto", ncu_sample: int = 0,
+                    ncu_timeout_s: float = 300.0, deadline: float | None = None
+                    ) -> list[Profile]:
+    """One profile per batch size, from one model and one engine (built for the largest)."""
+    from .kernel_sets import kernel_set
+    from .served import ServedStep, ServeShape
+
+    t = target if isinstance(target, Target) else load_target(target)
     proxy_note = t.require_local_gpu(proxy)
     device = default_device(t)
-    chosen = _choose_backend(backend, device)
+    _check_backend(backend, device)
+    ctx = context or t.contexts[0]
     notes: list[str] = []
-    ncu_run, ncu_note = None, ""
     n = layers or t.default_layers
-    if device.type == "cuda":  # the ncu child must build the layer count the parent will
-        n, why = plan_layers(t, batch, ctx, torch.cuda.mem_get_info(device)[0], layers)
+    if device.type == "cuda":
+        n, why = plan_layers(t, max(batches), ctx, torch.cuda.mem_get_info(device)[0], layers)
         notes.append(why)
-    if chosen == "ncu":
-        from .nsight import NcuError, run_ncu
-
-        try:
-            ncu_run = run_ncu(str(t.source or t.name), batch, n, ctx, kernels, seed,
-                              timeout_s=ncu_timeout_s, registry=reg)
-            ncu_note = f"ncu {ncu_run.version} ({ncu_run.wall_s:.0f} s, read via {ncu_run.reader})"
-        except NcuError as e:
-            ncu_note = f"ncu failed, fell back to torch.profiler: {e}"
-            notes.append(ncu_note)
-    work = build_workload(t, batch, n, ctx, kernels, device, seed, registry=reg)
+    rank = build_rank_model(t, n, device, seed)
+    notes += rank.notes
+    served = None
     try:
-        notes += work.notes
-        # CPU step times only inform (the CPU rows come from the profiled run): one repeat.
-        eager_us, graph_us = time_step(work, repeats or (3 if device.type == "cuda" else 1))
-        from .torch_trace import trace_step
+        kset = kernel_set(kernels, device, registry)
+        rank.model.set_ops(kset.table)
+        notes += list(kset.notes)
+        rates = local_rates(t, device, proxy_note)
+        reps = repeats or (10 if device.type == "cuda" else 1)
+        served = ServedStep(rank.model, ServeShape(t.phase, max(batches), ctx,
+                                                   steps=4 * (reps + 6) + 8),
+                            cuda_graphs=not eager, attention_backend=attention_backend,
+                            seed=seed)
+        notes += served.notes
+        out = []
+        for b in batches:
+            import time
 
-        trace = trace_step(work, warmup=0)  # time_step warmed the step up
-        graph_note, sources = work.graph_note, dict(work.model.ops.sources)
+            if deadline is not None and out and time.monotonic() > deadline:
+                notes.append(f"batch {b} not profiled: the profiling deadline passed")
+                break
+            served.start(b)
+            p = _profile_one(t, served, b, rank.layers, kernels, seed, proxy_note, rates, reps,
+                             notes)
+            out.append(dataclasses.replace(p, sources=dict(served.model.ops.sources)))
+        if ncu_sample or backend == "ncu":
+            from .nsight import sample_top_kernels
+
+            out = [sample_top_kernels(p, ncu_sample or 32, registry, ncu_timeout_s)
+                   for p in out]
+        return out
     finally:
-        free_workload(work)
-    p = _assemble(t, batch, ctx, n, kernels, seed, proxy_note, device, trace, ncu_run,
-                  ncu_note, eager_us, graph_us, graph_note, notes)
-    return dataclasses.replace(p, sources=sources)
+        if served is not None:
+            served.close()
+        free_model(rank)
 
 
-def _assemble(t: Target, batch, ctx, n, kernels, seed, proxy_note, device, trace, ncu_run,
-              ncu_note, eager_us, graph_us, graph_note, notes) -> Profile:
-    cupti_us = sum(r.duration_us for r in trace.records)
-    checks: dict = {"seed": seed, "torch_profiler_kernel_us": cupti_us, "eager_step_us": eager_us,
-                    "graph": graph_note}
-    records: list[KernelRecord] = trace.records
-    backend, note = "torch", "torch.profiler" + (" (CPU ops)" if device.type == "cpu" else
-                                                 " (CUPTI kernel times)")
-    if ncu_run is not None:
-        records, backend, note = ncu_run.records, "ncu", ncu_note
-        unlabelled = sum(r.op == OTHER for r in records)
-        if unlabelled > len(records) / 2:
-            aligned = align_by_order(records, trace.records)
-            if aligned is not None:
-                records = aligned
-                note += "; NVTX stacks missing, kernels labelled by launch order"
-        ncu_us = sum(r.duration_us for r in records)
-        checks["ncu_kernel_us"] = ncu_us
-        checks["ncu_vs_torch_profiler_kernel_time"] = ncu_us / cupti_us if cupti_us else None
-        checks["ncu_kernels"] = len(records)
-        checks["torch_profiler_kernels"] = sum(r.kind == "kernel" for r in trace.records)
-    elif ncu_note:
-        note += f" ({ncu_note})"
-    if device.type == "cpu":
+def _time_steps(served, reps: int) -> list[float]:
+    served.ensure(reps + 2)
+    served.step()  # warm-up (a freshly started batch: first replay of its bucket)
+    return [served.step() * 1e6 for _ in range(reps)]
+
+
+def _profile_one(t: Target, served, batch: int, layers: int, kernels: str, seed: int,
+                 proxy_note: str | None, rates: Rates, reps: int, notes: list[str]) -> Profile:
+    from .floor import step_floor
+    from .graph_trace import align, gaps
+    from .inventory import record_step
+    from .torch_trace import trace_call
+
+    device = served.device
+    samples = _time_steps(served, reps)
+    step_us = statistics.median(samples)
+    served.ensure(4)
+    calls, _ = record_step(served)
+    counts: dict[str, int] = {}
+    for c in calls:
+        counts[c.name] = counts.get(c.name, 0) + c.count
+    with served.eager():
+        labelled = trace_call(served.step, device, ranges=True)
+    checks: dict = {"seed": seed, "step_samples_us": samples,
+                    "kernels_per_step": sum(r.kind in ("kernel", "cpu")
+                                            for r in labelled.records)}
+    lines = None
+    graph_us = None
+    bucket = served.bucket()
+    if bucket is not None:
+        replay = trace_call(served.step, device, ranges=False)
+        al = align([r for r in labelled.records if r.kind != "cpu"], replay.records)
+        g = gaps(al.records)
+        records: list[KernelRecord] = al.records
+        lines, graph_us = g.lines(step_us), g.graph_span_us
+        checks.update(graph_bucket=bucket, aligned_fraction=al.fraction,
+                      replay_kernels=al.replay_kernels, labelled_kernels=al.labelled_kernels,
+                      kernels_in_graph=sum(r.in_graph for r in records),
+                      graph_idle_us=g.graph_idle_us,
+                      kernels_per_step=sum(r.kind == "kernel" for r in records))
+        if sum(r.in_graph for r in records) < 0.5 * al.labelled_kernels:
+            notes = notes + ["the replay's kernels were not visible to the profiler: attributed "
+                             "with the eager pass's times"]
+            records, lines = labelled.records, None
+        note, source = GRAPH_NOTE, "engine.step(), CUDA-graph replay, median (host clock)"
+    elif device.type == "cpu":
+        records, note = labelled.records, EAGER_NOTE + " (CPU: top-level aten ops)"
         # CPU op times come from the profiled run; its own wall time keeps the idle line >= 0.
-        step_us, step_source = trace.step_range_us, "profiled step range (host clock, CPU)"
+        step_us, source = labelled.step_range_us, "profiled step (host clock, CPU)"
     else:
-        step_us, step_source = eager_us, "CUDA events, eager step, median"
-    kernel_total = sum(r.duration_us for r in records)
-    checks["kernel_time_vs_step"] = kernel_total / step_us if step_us else None
-    if graph_us:
-        checks["kernel_time_vs_graph_step"] = kernel_total / graph_us
-    rates = local_rates(t, device, proxy_note)
-    rows, kernel_us, floor_us = attribute(records, trace.calls, t.step_calls(batch, n, ctx),
-                                          rates, step_us)
+        records, note = labelled.records, EAGER_NOTE
+        source = "engine.step(), eager, median (host clock)"
+    rows, kernel_us, _ = attribute(records, counts, calls, rates, step_us, lines)
+    floor = step_floor(calls, served.model, t.phase, batch, served.shape.context, rates)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    checks["kernel_time_vs_step"] = kernel_us / step_us if step_us else None
+    checks["unlabelled_kernels"] = sum(r.op == OTHER for r in records)
     return Profile(
-        target=t.name, phase=t.phase, batch=batch, context=ctx, layers=n, kernels=kernels,
-        backend=backend, backend_note=note, gpu=gpu, proxy=proxy_note, rows=rows,
-        step_us=step_us, step_source=step_source, kernel_us=kernel_us, floor_us=floor_us,
-        rates=rates, graph_step_us=graph_us, attribution_note=ATTRIBUTION_NOTE,
-        notes=tuple(notes), checks=checks, versions=_versions(
-            ncu_run.version if ncu_run else None),
-        created=datetime.now(UTC).isoformat(timespec="seconds"))
+        target=t.name, phase=t.phase, batch=batch, context=served.shape.context, layers=layers,
+        kernels=kernels, backend="torch", backend_note="torch.profiler" + (
+            " (CUPTI kernel times)" if device.type == "cuda" else " (CPU ops)"),
+        gpu=gpu, proxy=proxy_note, rows=rows, step_us=step_us, step_source=source,
+        kernel_us=kernel_us, floor_us=floor.floor_us, rates=rates, graph_step_us=graph_us,
+        attribution_note=note, notes=tuple(notes), checks=checks, versions=versions(),
+        created=datetime.now(UTC).isoformat(timespec="seconds"), floor=floor.to_dict(),
+        attention_backend=served.engine.runner.attention_backend)

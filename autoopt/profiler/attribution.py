@@ -3,8 +3,10 @@
 Every profiler backend reduces a step to `KernelRecord`s, each labelled with the innermost named
 range (op or model region) it was launched in, and to the number of times each range was
 entered. `attribute` sums them per op and puts each op next to its floor: the op contract's
-cost at the step's shapes (`Target.step_calls`) over the ceilings (measured on this GPU, or the
-target's datasheet values). Time the device spent on no kernel is its own line.
+cost at the step's shapes (the calls recorded from the step, inventory.py) over the ceilings
+(measured on this GPU, or the target's datasheet values); a `moe_experts` floor counts only the
+experts the step's routing hit. The step's time on no kernel is split into named lines (idle
+inside the CUDA graph, time outside it; or, for an eager step, launch overhead / idle).
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ from model.ops import OP_NAMES
 from ..targets import REGIONS, OpCall
 
 OTHER = "other"  # kernels launched outside every named range
-IDLE = "launch overhead / idle"  # step wall time on no kernel
+IDLE = "launch overhead / idle"  # eager step wall time on no kernel
+GRAPH_IDLE = "idle inside the graph"  # device gaps between a graph replay's kernels
+OUTSIDE = "outside the graph (host, copies, sampling)"  # the served step's rest
+LINES = (IDLE, GRAPH_IDLE, OUTSIDE)  # rows that are time on no kernel
 KNOWN_RANGES: tuple[str, ...] = tuple(OP_NAMES) + REGIONS
 # The router is an FP32 GEMM: its floor uses the FP32 rate; every other op uses the BF16 rate,
 # the same rule as autoopt.eval.timing.floor_us (elementwise ops are bound by bytes either way).
 FP32_OPS = {"router"}
-SCHEMA = "autoopt.profile/1"
+SCHEMA = "autoopt.profile/2"
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,8 @@ class KernelRecord:
     duration_us: float
     dram_bytes: int | None = None  # measured (Nsight Compute) or None
     kind: str = "kernel"  # kernel | memcpy | memset | cpu (a top-level aten op on the CPU)
+    start_us: float | None = None  # device timestamp (torch.profiler traces)
+    in_graph: bool = False  # launched by a CUDA-graph replay
 
 
 def innermost(stack: Iterable[str], known: Sequence[str] = KNOWN_RANGES) -> str:
@@ -91,10 +98,10 @@ class Profile:
     gpu: str
     proxy: str | None  # "proxy for <target> measured on <gpu>", or None
     rows: tuple[OpRow, ...]
-    step_us: float  # wall time of the attributed (eager) step
+    step_us: float  # wall time of the served step (median engine.step())
     step_source: str
     kernel_us: float
-    floor_us: float
+    floor_us: float  # the step's floor: touched weights + KV over the ceilings (floor.py)
     rates: Rates
     graph_step_us: float | None = None
     attribution_note: str = ""
@@ -103,6 +110,8 @@ class Profile:
     sources: dict[str, str] = field(default_factory=dict)  # op -> implementation that ran
     versions: dict[str, str] = field(default_factory=dict)
     created: str = ""
+    floor: dict[str, Any] = field(default_factory=dict)  # floor.StepFloor.to_dict()
+    attention_backend: str = ""
 
     def row(self, op: str) -> OpRow:
         for r in self.rows:
@@ -111,8 +120,8 @@ class Profile:
         raise KeyError(f"no row {op!r} in the profile; rows: {[r.op for r in self.rows]}")
 
     def ops(self) -> list[OpRow]:
-        """Rows of named ops and regions (not `other` or the idle line), by time."""
-        return [r for r in self.rows if r.op not in (OTHER, IDLE)]
+        """Rows of named ops and regions (not `other` or the idle lines), by time."""
+        return [r for r in self.rows if r.op != OTHER and r.op not in LINES]
 
     def ranked(self) -> list[OpRow]:
         """Op-contract rows by gap to the floor, largest first: what the optimizer works on."""
@@ -150,9 +159,22 @@ class Profile:
             raise ValueError(f"cannot read profile {path}: {e}") from None
 
 
+def call_floor_us(c: OpCall, rates: Rates) -> float:
+    """Floor of `c.count` calls; moe_experts reads only the experts its routing hit."""
+    if c.name == "moe_experts" and len(c.touched) == c.count:
+        from .floor import moe_call_floor_bytes
+
+        rate = rates.bf16_flops_s
+        return 1e6 * max(moe_call_floor_bytes(c) / rates.bandwidth_bytes_s,
+                         c.cost.flops * c.count / rate)
+    return rates.floor_s(c.name, c.cost) * c.count * 1e6
+
+
 def attribute(records: Sequence[KernelRecord], calls: dict[str, int], expected: Sequence[OpCall],
-              rates: Rates, step_us: float) -> tuple[tuple[OpRow, ...], float, float]:
-    """Rows (by time, then `other`, then idle), total kernel time and total floor in µs."""
+              rates: Rates, step_us: float, lines: dict[str, float] | None = None
+              ) -> tuple[tuple[OpRow, ...], float, float]:
+    """Rows (by time, then `other`, then the no-kernel lines), total kernel time and total
+    floor in µs. `lines` names the step's time on no kernel (default: step - kernels, idle)."""
     time_us: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
     dram: dict[str, int] = defaultdict(int)
@@ -166,11 +188,12 @@ def attribute(records: Sequence[KernelRecord], calls: dict[str, int], expected: 
     want_calls: dict[str, int] = defaultdict(int)
     for c in expected:
         model_bytes[c.name] += c.cost.bytes * c.count
-        floor[c.name] += rates.floor_s(c.name, c.cost) * c.count * 1e6
+        floor[c.name] += call_floor_us(c, rates)
         want_calls[c.name] += c.count
     kernel_us = sum(time_us.values())
-    idle = max(0.0, step_us - kernel_us)
-    total = kernel_us + idle
+    if lines is None:
+        lines = {IDLE: max(0.0, step_us - kernel_us)}
+    total = kernel_us + sum(lines.values())
     names = set(time_us) | set(want_calls) | {n for n in calls if n in KNOWN_RANGES}
     rows = []
     for name in sorted(names - {OTHER}, key=lambda n: -time_us.get(n, 0.0)):
@@ -187,7 +210,8 @@ def attribute(records: Sequence[KernelRecord], calls: dict[str, int], expected: 
         t = time_us[OTHER]
         rows.append(OpRow(OTHER, 0, count[OTHER], t, 100.0 * t / total,
                           dram[OTHER] if measured else None, "ncu" if measured else None))
-    rows.append(OpRow(IDLE, 0, 0, idle, 100.0 * idle / total if total else 0.0))
+    for name, t in lines.items():
+        rows.append(OpRow(name, 0, 0, t, 100.0 * t / total if total else 0.0))
     return tuple(rows), kernel_us, sum(floor.values())
 
 

@@ -1,10 +1,13 @@
-"""Nsight Compute over one step: kernel durations and DRAM bytes, attributed through NVTX.
+"""Nsight Compute over a bounded sample of a served step's kernels: durations and DRAM bytes.
 
-The `ncu` CLI profiles a child process (`python -m autoopt.profiler.workload ...`) that builds
-the same workload (same seed, so the same weights, routing and kernels) and runs one step inside
-the NVTX range `autoopt_step`; only kernels in that range are profiled (`--nvtx-include`), with
-`--clock-control none` (leave the GPU's clocks alone) and `--cache-control none` (caches as the
-real step finds them, so durations are comparable with CUDA-event timing of the step).
+Replaying every kernel of a 52-layer step takes minutes (8,561 kernels took 202 s on an H200),
+so Nsight Compute sees only a sample: the kernels of the ops a profile found on top, at most
+`launch_count` of them. The `ncu` CLI profiles a child process (`python -m
+autoopt.profiler.child ...`) that builds the served step (same seed, so the same weights,
+routing and kernels; the fewest layers that hold every layer kind) and runs one eager step in
+which only the sampled ops' calls sit inside the NVTX range `autoopt_sample`
+(`--nvtx-include`), with `--clock-control none` (leave the GPU's clocks alone) and
+`--cache-control none` (caches as the real step finds them).
 
 The report is read with Nsight Compute's own Python module (`ncu_report`, shipped in its
 `extras/python`) and, failing that, from `ncu --import ... --csv`. Each kernel carries its NVTX
@@ -31,7 +34,6 @@ from pathlib import Path
 
 from .. import env
 from .attribution import KNOWN_RANGES, OTHER, KernelRecord, innermost
-from .workload import STEP_RANGE
 
 TIME = "gpu__time_duration.sum"
 READ, WRITE = "dram__bytes_read.sum", "dram__bytes_write.sum"
@@ -201,17 +203,23 @@ def read_with_csv(report: Path, ncu: str) -> list[KernelRecord]:
 
 
 # ---- running ---------------------------------------------------------------------------------
-def workload_command(target: str, batch: int, layers: int, context: int, kernels: str,
-                     seed: int, registry: str | None = None) -> list[str]:
-    return [sys.executable, "-m", "autoopt.profiler.workload", "--target", target, "--batch",
+SAMPLE_RANGE = "autoopt_sample"
+
+
+def child_command(target: str, batch: int, layers: int, context: int, kernels: str,
+                  seed: int, registry: str | None = None, ops: tuple[str, ...] = ()) -> list[str]:
+    return [sys.executable, "-m", "autoopt.profiler.child", "--target", target, "--batch",
             str(batch), "--layers", str(layers), "--context", str(context), "--kernels", kernels,
-            "--seed", str(seed)] + (["--registry", str(registry)] if registry else [])
+            "--seed", str(seed)] + (["--registry", str(registry)] if registry else []) + \
+        (["--ops", ",".join(ops)] if ops else [])
 
 
 def run_ncu(target: str, batch: int, layers: int, context: int, kernels: str = "reference",
             seed: int = 0, out_dir: Path | None = None, timeout_s: float = 600.0,
-            registry: str | None = None) -> NcuRun:
-    """Profile one step of the target under ncu in a child process; raise NcuError on failure."""
+            registry: str | None = None, ops: tuple[str, ...] = (),
+            launch_count: int | None = None) -> NcuRun:
+    """Profile the sampled ops' kernels (every op's when `ops` is empty) of one step of the
+    target under ncu in a child process; raise NcuError on failure."""
     ncu = find_ncu()
     if ncu is None:
         raise NcuError("ncu (Nsight Compute CLI) not found on PATH or in /usr/local/cuda/bin; "
@@ -219,10 +227,12 @@ def run_ncu(target: str, batch: int, layers: int, context: int, kernels: str = "
     out_dir = Path(out_dir or env.cache_dir() / "ncu")
     out_dir.mkdir(parents=True, exist_ok=True)
     base = out_dir / f"{Path(target).stem}-b{batch}-l{layers}"
-    cmd = [ncu, "--nvtx", "--nvtx-include", f"{STEP_RANGE}/", "--clock-control", "none",
+    cmd = [ncu, "--nvtx", "--nvtx-include", f"{SAMPLE_RANGE}/", "--clock-control", "none",
            "--cache-control", "none", "--metrics", ",".join(METRICS), "--target-processes", "all",
-           "-f", "-o", str(base)] + workload_command(target, batch, layers, context, kernels, seed,
-                                                         registry)
+           "-f", "-o", str(base)]
+    if launch_count:
+        cmd += ["--launch-count", str(launch_count)]
+    cmd += child_command(target, batch, layers, context, kernels, seed, registry, ops)
     child_env = _child_env()
     start = time.perf_counter()
     # Its own session, so a timeout ends ncu and the profiled child (which holds the model's
@@ -234,8 +244,8 @@ def run_ncu(target: str, batch: int, layers: int, context: int, kernels: str = "
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        raise NcuError(f"ncu did not finish within {timeout_s:.0f} s (profiling every kernel of "
-                       f"{layers} layers); use fewer --layers") from None
+        raise NcuError(f"ncu did not finish within {timeout_s:.0f} s; sample fewer kernels "
+                       "(--ncu-sample) or fewer --layers") from None
     wall = time.perf_counter() - start
     report = base.with_suffix(".ncu-rep")
     if proc.returncode or not report.is_file():
@@ -249,9 +259,42 @@ def run_ncu(target: str, batch: int, layers: int, context: int, kernels: str = "
         except Exception as second:  # noqa: BLE001
             raise NcuError(f"cannot read {report}: ncu_report: {first}; csv: {second}") from None
     if not records:
-        raise NcuError(f"ncu profiled no kernel inside the NVTX range {STEP_RANGE!r}; "
+        raise NcuError(f"ncu profiled no kernel inside the NVTX range {SAMPLE_RANGE!r}; "
                        f"its output ended: {output[-1500:]}")
     return NcuRun(records, version, wall, reader, " ".join(cmd))
+
+
+def sample_layers(target) -> int:
+    """The fewest layers that hold every layer kind (dense/MoE MLP, sliding/full attention)."""
+    return target.kind_layers()
+
+
+def sample_top_kernels(p, launch_count: int, registry=None, timeout_s: float = 300.0):
+    """`p` with an Nsight Compute sample of its top ops' kernels in `checks["ncu_sample"]`:
+    per kernel, its op, duration and measured DRAM bytes (or why there is none)."""
+    import dataclasses
+
+    from ..targets import load_target
+
+    ops = tuple(r.op for r in p.ranked()[:3])
+    target = load_target(p.target)
+    layers = min(p.layers, sample_layers(target))
+    try:
+        run = run_ncu(str(target.source or target.name), p.batch, layers, p.context, p.kernels,
+                      int(p.checks.get("seed", 0)), timeout_s=timeout_s,
+                      registry=str(registry) if registry else None, ops=ops,
+                      launch_count=launch_count)
+    except NcuError as e:
+        sample = {"ops": list(ops), "error": str(e)}
+    else:
+        sample = {"ops": list(ops), "layers": layers, "ncu": run.version,
+                  "wall_s": run.wall_s, "reader": run.reader,
+                  "kernels": [{"name": r.name, "op": r.op, "us": r.duration_us,
+                               "dram_bytes": r.dram_bytes,
+                               "gb_s": (r.dram_bytes / r.duration_us / 1e3
+                                        if r.dram_bytes and r.duration_us else None)}
+                              for r in run.records]}
+    return dataclasses.replace(p, checks={**p.checks, "ncu_sample": sample})
 
 
 if __name__ == "__main__":  # the child of `read_in_child`: one JSON line of kernel records

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import env
-from .attribution import IDLE, OTHER, Profile
+from .attribution import LINES, OTHER, Profile
 
 _COLUMNS = ("op", "calls", "kernels", "time", "share", "bytes", "GB/s", "floor", "gap")
 
@@ -45,7 +45,7 @@ def profile_table(p: Profile) -> Table:
     for i, col in enumerate(_COLUMNS):
         table.add_column(col, justify="left" if i == 0 else "right")
     for r in p.rows:
-        style = "dim" if r.op in (OTHER, IDLE) else None
+        style = "dim" if r.op == OTHER or r.op in LINES else None
         b = fmt_bytes(r.bytes) + (" *" if r.bytes_source == "cost model" else "")
         table.add_row(r.op, str(r.calls or "-"), str(r.kernels or "-"), fmt_us(r.time_us),
                       f"{r.share:.1f}%", b, f"{r.gbps:.3g}" if r.gbps else "-",
@@ -56,12 +56,30 @@ def profile_table(p: Profile) -> Table:
     return table
 
 
+def floor_line(p: Profile) -> str:
+    f = p.floor
+    if not f:
+        return ""
+    touched = f.get("experts_touched") or ()
+    mean = sum(touched) / len(touched) if touched else 0
+    return (f"floor {fmt_us(p.floor_us)} ({f['bound']}-bound): {fmt_bytes(f['weight_bytes'])} of "
+            f"weights read (experts: {mean:.1f} of {f['experts_held']} per MoE layer, routing "
+            f"{f['routing']}) + {fmt_bytes(f['kv_bytes'])} of KV")
+
+
 def summary(p: Profile) -> list[str]:
+    c = p.checks
+    graph = (f"graph replay span {fmt_us(p.graph_step_us)} (bucket {c.get('graph_bucket')}, "
+             f"{c.get('kernels_in_graph')} kernels in the graph, "
+             f"{100 * c.get('aligned_fraction', 0):.1f}% aligned to ops)"
+             if p.graph_step_us else "no CUDA graph (eager step)")
     lines = [
         f"step {fmt_us(p.step_us)} ({p.step_source}); kernels {fmt_us(p.kernel_us)}; "
         f"floor {fmt_us(p.floor_us)} (step / floor = {p.step_us / p.floor_us:.1f}x)"
         if p.floor_us else f"step {fmt_us(p.step_us)}; kernels {fmt_us(p.kernel_us)}",
-        f"graph replay: {fmt_us(p.graph_step_us)} ({p.checks.get('graph', '')})",
+        floor_line(p),
+        f"{graph}; {c.get('kernels_per_step')} kernels per step "
+        f"({c.get('kernels_per_step', 0) / max(p.layers, 1):.0f} per layer)",
         f"ceilings: {p.rates.bandwidth_bytes_s / 1e12:.2f} TB/s, "
         f"{p.rates.bf16_flops_s / 1e12:.0f} BF16 TFLOP/s, {p.rates.source}"
         + ("" if p.rates.meaningful else " (not meaningful here: floors are nominal)"),
@@ -289,7 +307,9 @@ def profile_command(args, console: Console) -> int:
             return 2
         kw = {k: getattr(args, k) for k in ("kernels", "backend") if getattr(args, k)}
         p = profile_step(args.target, batch=args.batch, layers=args.layers, proxy=args.proxy,
-                         context=args.context, **kw)
+                         context=args.context, eager=args.eager,
+                         attention_backend=args.attention_backend,
+                         ncu_sample=args.ncu_sample, **kw)
     except (TargetError, ValueError) as e:
         console.print(f"[red]error:[/] {e}")
         return 2

@@ -1,10 +1,12 @@
-"""The fallback profiler: torch.profiler over one step, attributed through its range events.
+"""torch.profiler over one step, attributed through its range events.
 
 Ranges: the model's op and region ranges, emitted as `record_function` ranges when profiling
 (`model.ops.set_nvtx(True, record_function=True)`). On a GPU each kernel is attributed through
 its launch (the runtime call with the same CUPTI correlation id) to the innermost range open on
-the launching thread; kernel durations are CUPTI's. On the CPU there are no kernels: each
-top-level aten op inside the step stands for one, with its CPU time.
+the launching thread; kernel durations are CUPTI's. A kernel launched by a CUDA-graph replay
+(`cudaGraphLaunch`) is marked `in_graph`: no range is open inside a graph, so its op comes from
+aligning the replay with an eager pass of the same forward (graph_trace.py). On the CPU there are
+no kernels: each top-level aten op inside the step stands for one, with its CPU time.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import bisect
 import json
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,8 @@ from typing import Any
 import torch
 
 from .attribution import KNOWN_RANGES, OTHER, KernelRecord
-from .workload import STEP_RANGE, Workload
+
+STEP_RANGE = "autoopt_step"
 
 _LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
 _DEVICE_CATS = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset"}
@@ -107,8 +111,10 @@ def parse_chrome_trace(events: list[dict[str, Any]], step: str = STEP_RANGE) -> 
         launch = launches.get(e.get("args", {}).get("correlation"))
         if launch is None:
             continue  # launched outside the step
-        records.append(KernelRecord(e.get("name", "?"), label(launch["tid"], launch["ts"]),
-                                    float(e["dur"]), None, _DEVICE_CATS[e["cat"]]))
+        records.append(KernelRecord(
+            e.get("name", "?"), label(launch["tid"], launch["ts"]), float(e["dur"]), None,
+            _DEVICE_CATS[e["cat"]], start_us=float(e["ts"]),
+            in_graph=str(launch.get("name", "")).startswith("cudaGraphLaunch")))
     if device:
         return Trace(records, dict(calls), float(steps[0]["dur"]), "cuda")
     cpu = [e for e in inside if e.get("cat") == "cpu_op" and e.get("tid") == steps[0]["tid"]]
@@ -117,26 +123,29 @@ def parse_chrome_trace(events: list[dict[str, Any]], step: str = STEP_RANGE) -> 
     return Trace(records, dict(calls), float(steps[0]["dur"]), "cpu")
 
 
-def trace_step(work: Workload, warmup: int = 1) -> Trace:
-    """Profile one step of `work` with torch.profiler and attribute it."""
+def trace_call(run: Callable[[], object], device: torch.device, ranges: bool = True,
+               keep: str | None = None) -> Trace:
+    """Profile `run()` (one step) with torch.profiler and attribute it; op ranges on when
+    `ranges`; `keep` names a file the raw chrome trace is copied to."""
     from model.ops import set_nvtx
 
-    for _ in range(warmup):
-        work.step()
-    work.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if work.device.type == "cuda":
+    if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    set_nvtx(True, record_function=True)
+        torch.cuda.synchronize(device)
+    set_nvtx(ranges, record_function=ranges)
     try:
         with torch.profiler.profile(activities=activities) as prof:
             with torch.profiler.record_function(STEP_RANGE):
-                work.step()
-                work.synchronize()
+                run()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
     finally:
         set_nvtx(False)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text())["traceEvents"]
+        if keep:
+            Path(keep).write_text(json.dumps({"traceEvents": events}))
     return parse_chrome_trace(events)

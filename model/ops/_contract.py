@@ -30,6 +30,11 @@ class Numerics:
     `max_mismatch_fraction` of elements differing; the signed error must not be biased. Either
     way, a candidate must be strictly closer to the reference than to every near miss: the same
     op with one rounding point dropped or moved, or with an FMA, which a careless kernel computes.
+
+    `magnitude(*inputs)`, when given, returns a tensor broadcastable to each output: ulps are
+    then counted in units of the last place of max(|reference|, magnitude). For outputs that are
+    sums whose terms can cancel (the MoE combine): a legitimate one-ulp change in one term moves
+    a near-zero sum by arbitrarily many of its own ulps, but by at most one ulp of the terms.
     """
 
     kind: str  # "bitwise" | "ulp"
@@ -38,6 +43,7 @@ class Numerics:
     near_misses: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
     # Integer outputs (expert ids) are compared exactly whatever `kind` says.
     note: str = ""
+    magnitude: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("bitwise", "ulp"):

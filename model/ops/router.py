@@ -6,6 +6,11 @@ s = sigmoid(logits); c = s + e_score_correction_bias, for selection only; a grou
 sum of the top-2 of c in it; keep the top `topk_group` groups; ids = topk(c, k) sorted
 descending (this slot order feeds the combine); w = s[ids] / (sum + 1e-20). The routed scale
 2.5 is not applied here.
+
+Policy: ids exactly (rows whose reference top-k or top-group boundary is an FP32 tie excepted);
+weights within 16 FP32 ulps on at most 90% of elements, unbiased, and closer to the reference than
+to each near miss (BF16 logits, weights from the bias-corrected scores, unrenormalised, the routed
+scale applied here, softmax scores). The GEMV's summation order is free: see NUMERICS below.
 """
 
 from __future__ import annotations
@@ -58,13 +63,52 @@ def _bf16_logits(h, weight, bias, n_group, topk_group, top_k):
     return w / (w.sum(dim=-1, keepdim=True) + 1e-20), ids
 
 
+def _unrenormalised(h, weight, bias, n_group, topk_group, top_k):
+    # Near miss: the sigmoid scores of the chosen experts without the division by their sum
+    # (Beam sets norm_topk_prob; a kernel that skips it is off by the sum, ~5x).
+    scores = F.linear(h.float(), weight.float()).sigmoid()
+    ids = _select(scores + bias, n_group, topk_group, top_k)
+    return scores.gather(1, ids), ids
+
+
+def _routed_scale_applied(h, weight, bias, n_group, topk_group, top_k):
+    # Near miss: the routed scale (2.5 in Beam-1.0) folded into the weights here; the contract
+    # applies it after the expert combine, so applying it twice (or here) is a real bug.
+    w, ids = reference(h, weight, bias, n_group, topk_group, top_k)
+    return w * 2.5, ids
+
+
+def _softmax_scores(h, weight, bias, n_group, topk_group, top_k):
+    # Near miss: softmax scoring (DeepSeek-V2 / Qwen-MoE routers) where Beam uses the sigmoid;
+    # the bias then shifts a different scale, so ids and weights both move.
+    scores = F.linear(h.float(), weight.float()).softmax(dim=-1)
+    ids = _select(scores + bias, n_group, topk_group, top_k)
+    w = scores.gather(1, ids)
+    return w / (w.sum(dim=-1, keepdim=True) + 1e-20), ids
+
+
+# Why these bounds (FP32 ulps of the weights): the GEMV sums 5120 FP32 products; any other
+# summation order (split-K, cuBLAS's, FP64 then rounded) moves a logit by a few ulps, and through
+# the sigmoid and the renorm the weights by at most 6-7 ulps on ~40-70% of elements (measured on
+# 1024 tokens at H=5120 against F.linear's order). 16 ulps leaves headroom for heavier-tailed
+# logits and stays >100x below the nearest near miss (BF16 logits: >2000 ulps; the others are
+# off by factors). Not listed because they hide inside that noise and change nothing that
+# matters: an approximate sigmoid (ex2.approx, ~2 ulps), another 8-term renorm order (<= 1 ulp),
+# the 1e-20 dropped (no effect at these sums). A near miss smaller than the noise would make an
+# honest kernel fail the "closer to the reference" test at random.
 NUMERICS = Numerics(
     kind="ulp",
-    # Weights are FP32: at most 2 FP32 ulps (the 8-term renorm sum's order may differ).
-    max_ulp=2,
-    max_mismatch_fraction=0.05,
-    near_misses={"weights_with_bias": _weights_with_bias, "bf16_logits": _bf16_logits},
-    note="ids must match exactly except where the reference's own top-k boundary is an FP32 tie",
+    max_ulp=16,
+    max_mismatch_fraction=0.9,
+    near_misses={
+        "weights_with_bias": _weights_with_bias,
+        "bf16_logits": _bf16_logits,
+        "unrenormalised": _unrenormalised,
+        "routed_scale_applied": _routed_scale_applied,
+        "softmax_scores": _softmax_scores,
+    },
+    note="ids must match exactly except where the reference's own top-k boundary is an FP32 tie "
+         "(or a group tie); weights within 16 FP32 ulps, the GEMV's summation order being free",
 )
 
 

@@ -1,4 +1,4 @@
-"""Beam's chat template: render a conversation to the prompt of `shared/FORMAT.md`.
+"""Beam's chat template: render a conversation to the prompt of `docs/format.md`.
 
 The demo template `CHAT_TEMPLATE` is the format's reference rendering; a real checkpoint ships its
 own in `tokenizer_config.json` (or `chat_template.jinja`), which `read_chat_template` prefers.

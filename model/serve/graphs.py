@@ -6,10 +6,10 @@ dropped. The full-attention page tables are as wide as `max_model_len` needs, so
 any context; the window tables as wide as one window needs.
 
 Capture needs every op to be free of host syncs. The reference `moe_experts` loops over the
-experts present (`unique().tolist()`), so when it is the selected implementation the runner swaps
-in `grouped_moe_experts`: the same contract through `grouped_mm` with static shapes (the layout of
-transformers' `grouped_mm` experts backend), equal to the reference up to GEMM reduction order.
-A capture that still fails leaves the runner eager and says why.
+experts present (`unique().tolist()`), so while it is the selected implementation nothing is
+captured and the runner decodes eagerly, saying why; the registry's moe_experts variants
+(`grouped_mm_v1`, `triton_v1`) are capturable and are selected through the lock like any other
+kernel. A capture that still fails leaves the runner eager and says why.
 """
 
 from __future__ import annotations
@@ -19,55 +19,21 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
-from ..ops import OP_NAMES, OpTable
-from ..ops.moe_experts import combine
-from ..ops.swiglu import reference as swiglu
-from .kv_cache import FULL, SWA
+from ..ops import OpTable
+from .engine.kv_cache import FULL, SWA
 from .paged_attention import PagedBatch, PoolMeta
 
 log = logging.getLogger(__name__)
 
-_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+# Ops whose reference syncs with the host, and so cannot be captured.
+HOST_SYNC_REFERENCES = {"moe_experts": "loops over the experts present (a host sync)"}
 
 
-def grouped_moe_experts(x, gate_up, down, weights, ids, scale: float, expert_offset: int = 0):
-    """`moe_experts` contract with static shapes: (token, slot) pairs sorted by expert, two
-    grouped GEMMs, then the reference combine. Slots naming experts not held here give zero."""
-    t, k = ids.shape
-    e, h = gate_up.shape[0], x.shape[1]
-    local = (ids - expert_offset).reshape(-1)
-    held = (local >= 0) & (local < e)
-    key = torch.where(held, local, e)  # experts held elsewhere sort last, past every group
-    order = torch.argsort(key, stable=True)
-    counts = torch.zeros(e + 1, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
-    offs = counts[:e].cumsum(0, dtype=torch.int32)
-    xs = x[order // k]  # [T*k, H]
-    gu = _grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # [T*k, 2I]
-    inter = gu.shape[1] // 2
-    d = _grouped_mm(swiglu(gu[:, :inter], gu[:, inter:]), down.transpose(1, 2), offs=offs)
-    # Rows past offs[-1] (experts held elsewhere) are left unwritten by grouped_mm: zero them.
-    d = torch.where(held[order][:, None], d, torch.zeros((), dtype=d.dtype, device=d.device))
-    slots = torch.empty_like(d).index_copy_(0, order, d).view(t, k, h)
-    return combine(slots, weights, scale)
-
-
-def capture_safe_ops(ops: OpTable, dtype: torch.dtype) -> tuple[OpTable, list[str]]:
-    # grouped_mm on CUDA takes BF16; other dtypes keep the reference (and capture then fails).
-    if (ops.sources.get("moe_experts") != "reference" or _grouped_mm is None
-            or dtype != torch.bfloat16):
-        return ops, []
-    impls = {name: ops.impl(name) for name in OP_NAMES}
-    impls["moe_experts"] = grouped_moe_experts
-    sources = {**ops.sources, "moe_experts": "grouped_mm (capture-safe, model/serve/graphs.py)"}
-    table = OpTable(impls, sources)
-    for key, value in vars(ops).items():  # what the registry attached (`resolution`, ...)
-        if key not in ("_impls", "sources"):
-            setattr(table, key, value)
-    return table, ["moe_experts: reference swapped for grouped_mm so that "
-                                     "decode can be captured in CUDA graphs"]
+def uncapturable(ops: OpTable) -> list[str]:
+    """Why `ops` cannot be captured: ops that run a reference that syncs with the host."""
+    return [f"{op} runs its reference, which {why}" for op, why in HOST_SYNC_REFERENCES.items()
+            if ops.sources.get(op) == "reference"]
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -150,9 +116,13 @@ class DecodeGraphs:
     def capture(self) -> list[str]:
         """Capture every bucket, largest first, sharing one memory pool."""
         model = self.runner.model
-        eager_ops = model.ops
-        ops, notes = capture_safe_ops(eager_ops, model.dtype)
-        model.set_ops(ops)
+        blocked = uncapturable(model.ops)
+        if blocked:
+            msg = (f"CUDA graphs not captured, decoding eagerly: {'; '.join(blocked)}. Select a "
+                   "capturable variant for this GPU's arch in the kernel lock (e.g. "
+                   "`autoopt registry lock --op moe_experts --variant grouped_mm_v1`)")
+            log.warning(msg)
+            return [msg]
         pool = torch.cuda.graph_pool_handle()
         try:
             for b in reversed(self.buckets):
@@ -169,11 +139,9 @@ class DecodeGraphs:
         except Exception as exc:  # any op that syncs with the host fails capture; stay eager
             self.graphs.clear()
             self.logits.clear()
-            model.set_ops(eager_ops)
-            notes = []
             msg = f"CUDA-graph capture failed, decoding eagerly: {exc}"
             log.warning(msg)
-            return notes + [msg]
+            return [msg]
         torch.cuda.synchronize()
         self.ready = True
-        return notes + [f"CUDA graphs captured for decode batch sizes {self.buckets}"]
+        return [f"CUDA graphs captured for decode batch sizes {self.buckets}"]

@@ -1,4 +1,4 @@
-"""Split Beam's generated text into reasoning, answer and tool calls (format: shared/FORMAT.md).
+"""Split Beam's generated text into reasoning, answer and tool calls (format: docs/format.md).
 
 The input is what the model generates after the prompt's `<|start|>assistant`, decoded with its
 special tokens, e.g.
@@ -112,11 +112,15 @@ def _first_of(text: str, markers: tuple[str, ...]) -> tuple[int, str]:
     return best, found
 
 
-def _schema_types(schema: dict[str, Any]) -> set[str]:
+def _schema_types(schema: Any) -> set[str]:
+    if not isinstance(schema, dict):  # a boolean schema (`true` / `false`) names no type
+        return set()
     declared = schema.get("type")
-    types = {declared} if isinstance(declared, str) else set(declared or [])
+    listed = declared if isinstance(declared, list) else [declared]
+    types = {t for t in listed if isinstance(t, str)}
     for key in ("anyOf", "oneOf"):
-        for sub in schema.get(key) or []:
+        subs = schema.get(key)
+        for sub in subs if isinstance(subs, list) else []:
             types |= _schema_types(sub)
     return types
 
@@ -127,8 +131,9 @@ def _tool_properties(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, 
     for tool in tools or []:
         fn = tool.get("function", tool)
         if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-            params = fn.get("parameters") or {}
-            out[fn["name"]] = params.get("properties") or {}
+            params = fn.get("parameters")
+            props = params.get("properties") if isinstance(params, dict) else None
+            out[fn["name"]] = props if isinstance(props, dict) else {}
     return out
 
 
@@ -138,9 +143,13 @@ def _coerce(value: str, schema: dict[str, Any] | None) -> Any:
     if not types or "string" in types or not types <= _JSON_TYPES:
         return value
     try:
-        return json.loads(value)
-    except json.JSONDecodeError:
+        return json.loads(value, parse_constant=_no_constant)
+    except ValueError:
         return value  # the model wrote text where the schema wants JSON: keep what it wrote
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # NaN/Infinity would make the response invalid
 
 
 def _strip_value(value: str) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_cache import FULL, SWA, PagedKVCache
+from .engine.kv_cache import FULL, SWA, PagedKVCache
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch
 
 from ..beam import BeamForCausalLM
 from . import attention_backends
-from .kv_cache import FULL, SWA, PagedKVCache
+from .engine.kv_cache import FULL, SWA, PagedKVCache
 from .paged_attention import PagedAttention, PagedBatch, PoolMeta, pad_rows
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 A real checkpoint ships its own `tokenizer.json` and chat template; `BeamTokenizer.from_pretrained`
 reads those, and the demo tokenizer written by `write_tokenizer_files` loads the same way in
-`transformers.AutoTokenizer`. The chat format (`shared/FORMAT.md`) lives in
+`transformers.AutoTokenizer`. The chat format (`docs/format.md`) lives in
 `model.serve.chat_template`; its public names are re-exported here for existing callers.
 """
 

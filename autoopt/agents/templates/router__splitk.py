@@ -1,0 +1,275 @@
+"""router: FP32 split GEMV + sigmoid, grouped top-k and renorm in one (fused) or two kernels.
+
+# {{HEADER}}
+
+Formula (the router contract): logits = f32(h) @ W^T (FP32, no TF32); s = 1/(1+expf(-logits))
+(IEEE divide, libdevice expf on the GPU); c = s + bias for selection only; group score = top-2 sum
+of c per group; keep topk_group groups; ids = top_k of c there, descending (ties: lower expert);
+w = s[ids] / (sum + 1e-20), the sum in torch's CUDA order ((w0+w4)+(w2+w6))+((w1+w5)+(w3+w7)).
+Tuned per token bucket: how the 5.2 MB FP32 weight is split over the SMs (BLOCK_E experts x
+SPLIT_K slices of H, BLOCK_K per step, BLOCK_T tokens per program), whether the last GEMV program
+selects for every token (FUSE: one kernel, decode) or a second kernel does (SEL_T tokens per
+program), and the warps of each. The split changes the GEMV's FP32 summation order only, which
+the op's policy allows (a few FP32 ulps); the selection and renorm are the same in every config.
+Memory traffic: read 4*E*H + 2*T*H + 4*E; FP32 partials 8*SPLIT_K*T*E (L2); write 12*T*top_k.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+# Meta-parameters only: every config computes the same selection on FP32 logits whose
+# summation order depends on SPLIT_K/BLOCK_K (within the policy), never on warps.
+CONFIG_SPACE = {
+    "BLOCK_E": [8, 16, 32],
+    "BLOCK_K": [32, 64, 128, 256],
+    "SPLIT_K": [1, 5, 10, 20, 40],
+    "BLOCK_T": [1, 2, 4, 8, 16, 32, 64],
+    "FUSE": [0, 1],
+    "SEL_T": [1, 2, 4, 8],
+    "num_warps": [2, 4, 8],
+    "SEL_WARPS": [1, 2, 4],
+}
+# Empty: each token bucket keeps `default_config(T)` until the tuner sets its keys.
+DEFAULT_CONFIG: dict = {}
+_FUSE_MAX_T = 8  # the fused tail selects every token in one program: decode only
+_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+# {{common.bf16_to_f32}}: _bf16_to_f32
+
+
+# {{common.exp}}: _exp
+
+
+@triton.jit
+def _halve(v, N: tl.constexpr):
+    # One level of the renorm tree on [rows, N]: v[:, i] + v[:, i + N/2] for i < N/2.
+    lo, hi = tl.split(tl.permute(tl.reshape(v, [v.shape[0], 2, N // 2]), [0, 2, 1]))
+    return lo + hi
+
+
+@triton.jit
+def _tree_sum(v, K: tl.constexpr):
+    # torch's CUDA order over 8 values, ((w0+w4)+(w2+w6))+((w1+w5)+(w3+w7)), for any power of 2.
+    if K >= 32:
+        v = _halve(v, 32)
+    if K >= 16:
+        v = _halve(v, 16)
+    if K >= 8:
+        v = _halve(v, 8)
+    if K >= 4:
+        v = _halve(v, 4)
+    if K >= 2:
+        v = _halve(v, 2)
+    return tl.reshape(v, [v.shape[0]])
+
+
+@triton.jit
+def _key(c, cols, E: tl.constexpr):
+    # One int64 per expert ordering by c (monotonic image of the FP32 bits), then lower id first:
+    # a single max reduction yields both the value and the expert.
+    b = c.to(tl.int32, bitcast=True)
+    mono = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+    return (mono.to(tl.int64) << 32) | (E - 1 - cols).to(tl.int64)
+
+
+@triton.jit
+def _route_tokens(part_ptr, bias_ptr, w_out_ptr, id_out_ptr, t0, T, SPLIT: tl.constexpr,
+                  E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                  TOP_K: tl.constexpr, SEL_T: tl.constexpr, ON_GPU: tl.constexpr):
+    GS: tl.constexpr = E // NG
+    toks = t0 + tl.arange(0, SEL_T)
+    cols = tl.arange(0, E)
+    m = (toks < T)[:, None]
+    offs = toks.to(tl.int64)[:, None] * E + cols[None, :]
+    logits = tl.zeros([SEL_T, E], dtype=tl.float32)
+    # Partial sums added in split order; unrolled so all SPLIT loads (L2: written by other SMs)
+    # are in flight together instead of one round trip per split.
+    for s in tl.static_range(SPLIT):
+        logits += tl.load(part_ptr + s * T * E + offs, mask=m, other=0.0, cache_modifier=".cg")
+    scores = tl.div_rn(tl.full([SEL_T, E], 1.0, tl.float32), 1.0 + _exp(-logits, ON_GPU))
+    c = scores + tl.load(bias_ptr + cols)[None, :]
+    # Group score: the top-2 of c in each group, summed (the second is the max without the
+    # first's position, so a repeated maximum counts twice, as torch.topk does).
+    c3 = tl.reshape(c, [SEL_T, NG, GS])
+    gi = tl.arange(0, GS)[None, None, :]
+    m1 = tl.max(c3, axis=2)
+    i1 = tl.min(tl.where(c3 == m1[:, :, None], gi, GS), axis=2)
+    m2 = tl.max(tl.where(gi == i1[:, :, None], float("-inf"), c3), axis=2)
+    gs = m1 + m2
+    # Keep a group when fewer than TOPK_GROUP groups beat it (ties: the lower group wins).
+    ga = tl.arange(0, NG)
+    beats = (gs[:, None, :] > gs[:, :, None]) | \
+        ((gs[:, None, :] == gs[:, :, None]) & (ga[None, None, :] < ga[None, :, None]))
+    keep = tl.sum(beats.to(tl.int32), axis=2) < TOPK_GROUP
+    keep_e = tl.reshape(tl.broadcast_to(keep[:, :, None], [SEL_T, NG, GS]), [SEL_T, E])
+    key = tl.where(keep_e, _key(c, cols[None, :], E), -(2**62))
+    # The scores go to this CTA's own split-0 rows (read above, needed by nobody else), so the
+    # top-k loop costs one max reduction per slot and the weights are one gather at the end.
+    tl.store(part_ptr + offs, scores, mask=m)
+    slot = tl.arange(0, TOP_K)[None, :]
+    ids = tl.zeros([SEL_T, TOP_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):  # top_k by repeated arg-max, descending
+        best = tl.max(key, axis=1)
+        idx = E - 1 - best.to(tl.int32)  # the low word: E - 1 - expert
+        key = tl.where(cols[None, :] == idx[:, None], -(2**62), key)
+        ids = tl.where(slot == j, idx[:, None], ids)
+    tl.debug_barrier()  # every thread's score stores before any thread's gather
+    w = tl.load(part_ptr + toks.to(tl.int64)[:, None] * E + ids, mask=m, other=1.0,
+                cache_modifier=".cg")
+    denom = _tree_sum(w, TOP_K) + 1e-20
+    w = tl.div_rn(w, tl.broadcast_to(denom[:, None], [SEL_T, TOP_K]))
+    out = toks.to(tl.int64)[:, None] * TOP_K + slot
+    tl.store(w_out_ptr + out, w, mask=m)
+    tl.store(id_out_ptr + out, ids.to(tl.int64), mask=m)
+
+
+@triton.jit
+def _router_gemv_kernel(h_ptr, wt_ptr, part_ptr, bias_ptr, w_out_ptr, id_out_ptr, count_ptr,
+                        T, H, stride_h, stride_w,
+                        E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                        TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                        BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, SPLIT: tl.constexpr,
+                        H_BF16: tl.constexpr,
+                        USE_DOT: tl.constexpr, FUSE: tl.constexpr, SEL_T: tl.constexpr,
+                        ON_GPU: tl.constexpr):
+    pe, pk, pt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    toks = pt * BLOCK_T + tl.arange(0, BLOCK_T)
+    exps = pe * BLOCK_E + tl.arange(0, BLOCK_E)
+    k_base = pk * (K_STEPS * BLOCK_K)
+    h_rows = h_ptr + toks.to(tl.int64)[:, None] * stride_h
+    w_rows = wt_ptr + exps.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for i in range(K_STEPS):
+        ks = k_base + i * BLOCK_K + tl.arange(0, BLOCK_K)
+        km = (ks < H)[None, :]
+        x = tl.load(h_rows + ks[None, :], mask=(toks < T)[:, None] & km, other=0.0)
+        x = _bf16_to_f32(x) if H_BF16 else x.to(tl.float32)
+        wt = tl.load(w_rows + ks[None, :], mask=km, other=0.0)
+        if USE_DOT:
+            acc = tl.dot(x, tl.trans(wt), acc, input_precision="ieee")
+        else:
+            acc += tl.sum(x[:, None, :] * wt[None, :, :], axis=2)
+    part = part_ptr + pk * T * E + toks.to(tl.int64)[:, None] * E + exps[None, :]
+    tl.store(part, acc, mask=(toks < T)[:, None])
+    if FUSE:
+        # Last program done selects for every token. The barrier orders all threads' partial
+        # stores before the (acq_rel, gpu-scope) increment that publishes them.
+        tl.debug_barrier()
+        total = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+        if done == total - 1:
+            tl.debug_barrier()
+            for t0 in range(0, T, SEL_T):
+                _route_tokens(part_ptr, bias_ptr, w_out_ptr, id_out_ptr, t0, T, SPLIT,
+                              E, NG, TOPK_GROUP, TOP_K, SEL_T, ON_GPU)
+            tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next call
+
+
+@triton.jit
+def _router_select_kernel(part_ptr, bias_ptr, w_out_ptr, id_out_ptr, T, SPLIT: tl.constexpr,
+                          E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                          TOP_K: tl.constexpr, SEL_T: tl.constexpr, ON_GPU: tl.constexpr):
+    _route_tokens(part_ptr, bias_ptr, w_out_ptr, id_out_ptr, tl.program_id(0) * SEL_T, T, SPLIT,
+                  E, NG, TOPK_GROUP, TOP_K, SEL_T, ON_GPU)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _check(h, weight, bias, n_group: int, topk_group: int, top_k: int) -> None:
+    if h.dim() != 2 or weight.dim() != 2 or bias.dim() != 1 or weight.shape[1] != h.shape[1] \
+            or bias.shape[0] != weight.shape[0]:
+        raise ValueError(f"router expects h[T,H], weight[E,H], bias[E]; got h {tuple(h.shape)}, "
+                         f"weight {tuple(weight.shape)}, bias {tuple(bias.shape)}")
+    if h.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"router expects bf16 (or fp16/fp32) h; got {h.dtype}")
+    if weight.dtype != torch.float32 or bias.dtype != torch.float32:
+        raise ValueError(f"router expects an fp32 weight and bias; got {weight.dtype}, "
+                         f"{bias.dtype} (the router is never run in BF16)")
+    e = weight.shape[0]
+    if not (_pow2(e) and _pow2(n_group) and e % n_group == 0 and e // n_group >= 2):
+        raise ValueError(f"router triton_v1 needs a power-of-2 expert count split into a power-"
+                         f"of-2 number of groups of >= 2; got E={e}, n_group={n_group}")
+    if not (1 <= topk_group <= n_group and _pow2(top_k) and top_k <= 32
+            and top_k <= topk_group * (e // n_group)):
+        raise ValueError(f"router triton_v1 needs 1 <= topk_group <= n_group and a power-of-2 "
+                         f"top_k <= 32 within the kept groups; got topk_group={topk_group}, "
+                         f"top_k={top_k}, n_group={n_group}, E={e}")
+    if h.stride(1) != 1 or weight.stride(1) != 1 or bias.stride(0) != 1:
+        raise ValueError(f"router needs unit stride along H and E; strides h {h.stride()}, weight "
+                         f"{weight.stride()}, bias {bias.stride()}: pass .contiguous() tensors")
+    if not h.device == weight.device == bias.device:
+        raise ValueError(f"h on {h.device}, weight on {weight.device}, bias on {bias.device}")
+
+
+def default_config(t: int) -> dict:
+    """Decode streams the weight over ~all SMs; prefill tiles tokens for tl.dot."""
+    if t <= 2:  # 640 one-warp programs, each one 8 KB weight load issued at once (K_STEPS = 1);
+        # one warp also keeps the fused selection's reductions inside a warp (no barriers)
+        return {"BLOCK_T": 1 if t <= 1 else 2, "BLOCK_E": 8, "BLOCK_K": 256, "SPLIT_K": 20,
+                "FUSE": 1, "SEL_T": 2, "num_warps": 1, "SEL_WARPS": 1}
+    if t <= _FUSE_MAX_T:  # one 8 KB weight load per program, all issued at once (K_STEPS = 1)
+        return {"BLOCK_T": triton.next_power_of_2(t), "BLOCK_E": 8, "BLOCK_K": 256,
+                "SPLIT_K": 20, "FUSE": 1, "SEL_T": 8, "num_warps": 8, "SEL_WARPS": 4}
+    if t <= 64:  # ~160 programs of 256-wide H slices; FP32 tl.dot over BLOCK_T tokens
+        return {"BLOCK_T": max(16, triton.next_power_of_2(t)), "BLOCK_E": 32, "BLOCK_K": 32,
+                "SPLIT_K": 20, "FUSE": 0, "SEL_T": 1, "num_warps": 4, "SEL_WARPS": 1}
+    return {"BLOCK_T": 64, "BLOCK_E": 32, "BLOCK_K": 32, "SPLIT_K": 2, "FUSE": 0, "SEL_T": 1,
+            "num_warps": 4, "SEL_WARPS": 1}
+
+
+def _counter(device: torch.device) -> torch.Tensor:
+    key = (device.type, device.index)
+    if key not in _COUNTERS:  # zeroed once; the last program of every fused call re-zeroes it
+        _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+def router_fwd(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: int,
+               topk_group: int, top_k: int, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the GEMV (and, unless fused, the selection) with an explicit config."""
+    _check(h, weight, bias, n_group, topk_group, top_k)
+    t, hid = h.shape
+    e = weight.shape[0]
+    w_out = torch.empty((t, top_k), dtype=torch.float32, device=h.device)
+    id_out = torch.empty((t, top_k), dtype=torch.int64, device=h.device)
+    if t == 0:
+        return w_out, id_out
+    block_t, block_k = int(cfg["BLOCK_T"]), int(cfg["BLOCK_K"])
+    block_e = min(int(cfg["BLOCK_E"]), e)
+    split = max(1, min(int(cfg["SPLIT_K"]), triton.cdiv(hid, block_k)))
+    k_steps = triton.cdiv(triton.cdiv(hid, split), block_k)
+    use_dot = block_t >= 16 and block_e >= 16 and block_k >= 16
+    fuse = bool(cfg["FUSE"]) and t <= 64
+    sel_t = min(int(cfg["SEL_T"]), triton.next_power_of_2(t))
+    part = torch.empty((split, t, e), dtype=torch.float32, device=h.device)
+    counter = _counter(h.device) if fuse else part
+    grid = (e // block_e, split, triton.cdiv(t, block_t))
+    meta = dict(E=e, NG=n_group, TOPK_GROUP=topk_group, TOP_K=top_k, ON_GPU=h.is_cuda)
+    _router_gemv_kernel[grid](
+        h, weight, part, bias, w_out, id_out, counter, t, hid, h.stride(0), weight.stride(0),
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, K_STEPS=k_steps, SPLIT=split,
+        H_BF16=h.dtype == torch.bfloat16, USE_DOT=use_dot, FUSE=fuse, SEL_T=sel_t,
+        num_warps=int(cfg["num_warps"]), **meta,
+    )
+    if not fuse:
+        _router_select_kernel[(triton.cdiv(t, sel_t),)](
+            part, bias, w_out, id_out, t, SPLIT=split, SEL_T=sel_t, num_warps=int(cfg["SEL_WARPS"]),
+            **meta,
+        )
+    return w_out, id_out
+
+
+def run(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: int,
+        topk_group: int, top_k: int, config: dict | None = None):
+    """router(h[T,H] bf16, weight[E,H] fp32, bias[E] fp32, n_group, topk_group, top_k)
+    -> (weights[T,k] fp32, ids[T,k] int64)."""
+    # A tuned config (per bucket) wins; without one each bucket keeps its own default.
+    cfg = {**default_config(h.shape[0] if h.dim() == 2 else 1), **(config or {})}
+    return router_fwd(h, weight, bias, int(n_group), int(topk_group), int(top_k), cfg)

@@ -1,0 +1,106 @@
+"""Kernel sets a step can run with: `reference`, `tuned`, `compile`, or a registry lock file.
+
+- `reference`: every op's plain PyTorch reference.
+- `tuned`: the registry's lock for this machine's arch (model/registry.py resolves it).
+- `compile`: the peer a user would reach for: every op's reference under `torch.compile`
+  (Inductor, with `emulate_precision_casts` so it keeps the reference's BF16 roundings, hence
+  the same function), captured in the same CUDA graphs. An op whose reference syncs with the
+  host (`moe_experts` loops over the experts present) cannot be compiled into a capturable
+  graph and runs as in the reference set; the set's notes say so. Each op compiles once per
+  distinct argument kind: the layers share the ops, so 52 layers do not mean 52 compiles.
+- anything else: the path of a lock file (e.g. a "before" lock for comparisons).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from model.ops import CONTRACTS, OpTable
+
+from ..targets import TargetError
+
+NOT_COMPILED = {"moe_experts": "its reference syncs with the host (unique().tolist()); it runs "
+                               "as in the reference set"}
+RECOMPILE_LIMIT = 64
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    name: str  # as given on the command line
+    table: OpTable = field(compare=False)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """Short name for tables: a lock path shows as its file name."""
+        return self.name if self.name in BUILDERS else f"lock:{Path(self.name).name}"
+
+
+def _reference(_name: str, _device: torch.device, _registry: str | None) -> KernelSet:
+    return KernelSet("reference", OpTable())
+
+
+def _registry_set(name: str, device: torch.device, registry: str | None) -> KernelSet:
+    try:
+        from model.registry import resolve_ops
+    except ImportError as e:  # pragma: no cover - the registry ships with the model package
+        raise TargetError(f"--kernels {name} needs the kernel registry ({e})") from None
+    if name != "tuned" and not Path(name).is_file():
+        raise TargetError(f"--kernels: {name!r} is not reference, tuned, compile or a lock file "
+                          "path")
+    # A lock file given by path (the optimize loop's trial of a run's new set) may select
+    # verified candidates: measuring them is the point; serving never loads them.
+    table = resolve_ops(kernels=name, registry=registry, device=device, dtype=torch.bfloat16,
+                        allow_candidates=name != "tuned")
+    refused = {op: r.refused for op, r in getattr(table, "resolution", {}).items() if r.refused}
+    used = sorted(op for op, s in table.sources.items() if s != "reference")
+    notes = [f"{name}: registry variants for {', '.join(used) or 'no op'}"]
+    notes += [f"{name}: {op} refused ({why}); runs the reference" for op, why in refused.items()]
+    return KernelSet(name, table, tuple(notes))
+
+
+def compile_reference(fn: Callable) -> Callable:
+    """`torch.compile` of an op reference as the harness times it (Inductor, precision casts
+    kept); ints that vary between calls (add_index, T) become symbolic after one recompile."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.emulate_precision_casts = True
+    for knob in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob),
+                                                    RECOMPILE_LIMIT))
+    return torch.compile(fn, dynamic=None)
+
+
+def _compile(_name: str, _device: torch.device, _registry: str | None) -> KernelSet:
+    impls = {op: compile_reference(c.reference) for op, c in CONTRACTS.items()
+             if op not in NOT_COMPILED}
+    sources = {op: "reference (torch.compile, Inductor)" for op in impls}
+    notes = [f"compile: {op} not compiled: {why}" for op, why in NOT_COMPILED.items()]
+    notes.append("compile: each op's reference compiled by Inductor with emulate_precision_casts; "
+                 "GEMMs outside the ops and the attention backend are as in the reference set")
+    return KernelSet("compile", OpTable(impls, sources), tuple(notes))
+
+
+BUILDERS: dict[str, Callable[[str, torch.device, str | None], KernelSet]] = {
+    "reference": _reference, "tuned": _registry_set, "compile": _compile}
+
+
+def kernel_set(name: str, device: torch.device, registry: str | Path | None = None) -> KernelSet:
+    """The named set's op table for `device` (a lock path resolves like `tuned`)."""
+    build = BUILDERS.get(name, _registry_set)
+    return build(name, device, str(registry) if registry is not None else None)
+
+
+def parse_sets(text: str | None, default: tuple[str, ...]) -> tuple[str, ...]:
+    """'reference,tuned,locks/before.toml' -> its names, in order, without repeats."""
+    names = [s.strip() for s in (text or "").split(",") if s.strip()] or list(default)
+    return tuple(dict.fromkeys(names))
+
+
+__all__ = ["BUILDERS", "KernelSet", "NOT_COMPILED", "compile_reference", "kernel_set",
+           "parse_sets"]

@@ -1,0 +1,133 @@
+"""`autoopt bench model` on the CPU (cpu-tiny), the served step under it, and the engine's
+`kernels` for a model passed in."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from autoopt.bench_model import BenchModelArgs, resolve_target
+from autoopt.cli import app
+from autoopt.profiler.rank import build_rank_model
+from autoopt.profiler.served import ServedStep, ServeShape
+from autoopt.targets import load_target
+from model.ops import OpTable
+from model.serve.engine import EngineConfig, LLMEngine
+
+WIDE = {"COLUMNS": "200"}
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    res = CliRunner().invoke(app, ["bench", "model", "--target", "cpu-tiny", "--batch", "1,3",
+                                   "--layers", "4", "--iters", "2", "--out", str(out)], env=WIDE)
+    assert res.exit_code == 0, res.output
+    return out, res.output, json.loads((out / "bench_model.json").read_text())
+
+
+@pytest.mark.slow
+def test_outputs_and_labels(bench):
+    out, text, data = bench
+    assert data["schema"] == "autoopt.bench_model/1" and data["target"] == "cpu-tiny"
+    assert (out / "bench_model.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "bench_model.md").read_text()
+    assert "CPU: times not meaningful" in md and "| context | batch | kernels |" in md
+    assert data["meaningful"] is False and data["kernels"] == ["reference", "tuned"]
+    assert "not meaningful" in text and "ms/step" in text
+    # Every stage's time is printed as it finishes.
+    assert "model build" in text and "engine" in text
+
+
+@pytest.mark.slow
+def test_rows_are_served_steps_against_their_floor(bench):
+    _, _, data = bench
+    rows = {(r["batch"], r["kernels"]): r for r in data["rows"]}
+    assert set(rows) == {(b, k) for b in (1, 3) for k in ("reference", "tuned")}
+    for (b, _), r in rows.items():
+        assert r["ran"] and len(r["samples_ms"]) == 2 and r["context"] == 40
+        assert r["median_ms"] > 0 and r["tokens_per_s"] == pytest.approx(b / r["median_ms"] * 1e3)
+        assert r["x_floor"] == pytest.approx(r["median_ms"] / r["floor_ms"])
+        assert r["kernels_per_step"] > 0 and r["kernels_per_layer"] == pytest.approx(
+            r["kernels_per_step"] / 4)
+        assert r["graph_bucket"] is None  # no CUDA graphs on the CPU
+    # On the CPU the tuned set is the reference (no cpu lock): bitwise the same logits.
+    for b in (1, 3):
+        par = rows[(b, "tuned")]["parity"]
+        assert par["max_abs_diff"] == 0.0 and par["top1_agree"]
+        assert rows[(b, "tuned")]["speedup"]["reference"] == pytest.approx(
+            rows[(b, "reference")]["median_ms"] / rows[(b, "tuned")]["median_ms"])
+    f1, f3 = data["floors"]["40/1"], data["floors"]["40/3"]
+    assert f1["experts_touched"] == [8] and f1["routing"] == "recorded"  # top-8 of one token
+    assert f3["weight_bytes"] > f1["weight_bytes"] and f3["kv_bytes"] == 3 * f1["kv_bytes"]
+
+
+def test_prefill_phase_and_bad_flags():
+    t, batches, contexts = resolve_target(BenchModelArgs("h200-tp8-decode", phase="prefill"))
+    assert (t.phase, batches, contexts) == ("prefill", (8,), (2048,))
+    with pytest.raises(ValueError, match="--phase"):
+        BenchModelArgs("cpu-tiny", phase="train")
+    res = CliRunner().invoke(app, ["bench", "model", "--target", "cpu-tiny", "--batch", "x"],
+                             env=WIDE)
+    assert res.exit_code == 2 and "comma-separated integers" in res.output
+
+
+def test_bench_op_is_still_reachable_without_the_sub_command():
+    res = CliRunner().invoke(app, ["bench"], env=WIDE)
+    assert res.exit_code == 2 and "bench model --target" in res.output
+
+
+def test_served_decode_rows_are_real_sequences():
+    t = load_target("cpu-tiny")
+    rank = build_rank_model(t, 4, "cpu", 0)
+    served = ServedStep(rank.model, ServeShape("decode", 4, 40, steps=3), cuda_graphs=False)
+    served.start(3)
+    eng = served.engine
+    seqs = list(eng.scheduler.running)
+    assert len(seqs) == 3 and all(s.num_computed == 39 and s.is_decoding for s in seqs)
+    pages = [eng.cache.page_tables(s.seq_id)[0] for s in seqs]
+    assert len({p for table in pages for p in table}) == sum(len(p) for p in pages)  # own pages
+    assert all(len(p) == 3 for p in pages)  # 40 tokens in pages of 16
+    served.step()
+    assert all(s.num_computed == 40 and len(s.output_ids) == 1 for s in seqs)
+    served.step(), served.step()
+    assert served.steps_left() == 0
+    served.step()  # restarts fresh sequences rather than running out
+    assert all(s.num_computed == 40 for s in eng.scheduler.running)
+    served.stop()
+    eng.cache.check_no_leaks(set())
+
+
+def test_served_prefill_runs_whole_prompts_in_one_step():
+    t = load_target("cpu-tiny")
+    rank = build_rank_model(t, 4, "cpu", 0)
+    served = ServedStep(rank.model, ServeShape("prefill", 2, 24), cuda_graphs=False)
+    served.start(2)
+    before = served.engine.stats().batched_tokens_total
+    served.step()
+    assert served.engine.stats().batched_tokens_total - before == 48
+    served.engine.cache.check_no_leaks(set())  # the prompts finished with their step
+
+
+def _custom_table() -> OpTable:
+    from model.ops import CONTRACTS
+
+    return OpTable({"swiglu": CONTRACTS["swiglu"].reference}, {"swiglu": "mine"})
+
+
+def test_engine_honours_kernels_for_a_model_passed_in():
+    t = load_target("cpu-tiny")
+    cfg = dict(device="cpu", max_num_seqs=2, max_model_len=64, kv_cache_bytes=8 << 20)
+    model = build_rank_model(t, 4, "cpu", 0).model
+    model.set_ops(_custom_table())
+    LLMEngine(EngineConfig(kernels="reference", **cfg), model=model)
+    assert model.ops.sources["swiglu"] == "reference"  # the config's set, not the model's
+    model.set_ops(_custom_table())
+    LLMEngine(EngineConfig(kernels=None, **cfg), model=model)
+    assert model.ops.sources["swiglu"] == "mine"  # None keeps the passed model's ops
+    with pytest.raises(Exception, match="no such lock file"):
+        LLMEngine(EngineConfig(kernels="missing.lock.toml", **cfg), model=model)
+    assert torch.isfinite(model.embed_tokens).all()
