@@ -63,7 +63,9 @@ def test_block_variants_decode_the_same_under_graph_replay(tmp_path):
                                  max_num_batched_tokens=64, cuda_graphs=False,
                                  kv_cache_bytes=256 * 2**20))
     reg = Registry()
-    eng.model.set_ops(OpTable({op: reg.load_variant(op, v).run for op, v in BLOCK}))
+    # The MoE reference syncs with the host (no capture): its capturable registry variant.
+    ops = {op: reg.load_variant(op, v).run for op, v in BLOCK + (("moe_experts", "grouped_mm_v1"),)}
+    eng.model.set_ops(OpTable(ops))
     eng.runner.batched_decode = True
     graphs = DecodeGraphs(eng.runner, max_num_seqs=8)
     notes = graphs.capture()
