@@ -178,15 +178,23 @@ def verify(
     source: Path = typer.Option(None, "--source", help="A variant file outside any registry."),
     registry: Path = typer.Option(None, "--registry", help="Registry DIR (default: kernels/)."),
     device: str = typer.Option("auto", help="cpu, cuda or auto (cuda when present)."),
-    seeds: str = typer.Option("0,1,2", help="Input seeds, comma-separated."),
-    tokens: str = typer.Option(None, help="Token counts of the shapes (default: the op's)."),
-    timeout: float = typer.Option(300.0, help="Seconds before the candidate's child is killed."),
+    seeds: str = typer.Option("0,1,2", help="How many seeds per bucket shape, given as a list "
+                                            "whose length counts (the seeds are secret)."),
+    tokens: str = typer.Option(None, help="Bucket token counts (default: the target's)."),
+    target: str = typer.Option(None, "--target", help="Target whose widths and buckets to "
+                                                      "verify at (default: cpu-tiny on CPU, "
+                                                      "the local GPU's targets on cuda)."),
+    secret: str = typer.Option(None, "--secret", help="Reproduce a run: the secret its "
+                                                      "report states."),
+    timeout: float = typer.Option(300.0, help="Seconds before the candidate's worker is "
+                                              "killed."),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Verify a kernel variant against its op's reference (exit 0 verified, 1 rejected)."""
     from .eval.commands import VerifyArgs, verify_command
 
-    args = VerifyArgs(op, variant, source, registry, device, seeds, tokens, timeout, json_out)
+    args = VerifyArgs(op, variant, source, registry, device, seeds, tokens, timeout, json_out,
+                      target, secret)
     try:
         code = verify_command(args, console)
     except (ValueError, FileNotFoundError) as exc:

@@ -1,23 +1,30 @@
-"""TP decode of a shard-shaped Beam model: the all-reduce + sandwich-norm boundary, unfused/fused.
+"""TP decode of a shard-shaped Beam model: the rank sum + sandwich-norm boundary, unfused/fused.
 
     python benchmarks/tp_bench.py --out $OUT                  # 2 GPUs, NCCL (spawns the 2 ranks)
+    python benchmarks/tp_bench.py --tp 8 --layers 52 --out $OUT   # the TP8 deployment, 8 GPUs
     torchrun --nproc-per-node 2 benchmarks/tp_bench.py --out $OUT
-    python benchmarks/tp_bench.py --dry-run --out /tmp/tp     # CPU, gloo, tiny shapes (CI)
+    python benchmarks/tp_bench.py --dry-run --out DIR         # CPU, gloo, tiny shapes (CI)
 
-The model is Beam with fewer layers and random weights, sized so that each of the `--tp` ranks
-holds exactly one Beam TP8 rank's shard (hidden 5120, 6 query / 1 KV head, dense I 2560, 256
-experts of I 320, vocab 18992 per rank): the all-reduce volume per boundary is the TP8 one.
+The model is Beam with random weights filled on each rank's device, sized so that each of the
+`--tp` ranks holds exactly one Beam TP8 rank's shard (hidden 5120, 6 query / 1 KV head, dense I
+2560, 256 experts of I 320, vocab 18992 per rank): the boundary's volume is the TP8 one; at
+--tp 8 --layers 52 it is the deployment itself (~125 GB a rank).
 Boundary implementations (model.parallel.BOUNDARIES, plus --fused):
-    allreduce     the backend's in-place all-reduce (NCCL, BF16) + reference norm_residual_norm
-    gather        all-gather + FP32 rank-order sum + one rounding + reference boundary (the op's
-                  reference: model/ops/allreduce_norm_residual_norm.py)
+    allreduce     NCCL's in-place all-reduce (BF16) + norm_residual_norm (unfused with the
+                  reference ops)
+    gather        NCCL all-gather + FP32 rank-order sum + one rounding + reference boundary (the
+                  op's reference: model/ops/allreduce_norm_residual_norm.py)
     gather+fused  the same with a fused kernel for the stacked op (--fused FILE exporting `run`)
-    <other>       any further registered boundary (a one-shot peer-to-peer variant, say)
-Measured: per-boundary latency at 1 and 2048 tokens (eager, and CUDA-graph replay on GPUs), the
+    oneshot       peer-to-peer loads from buffers exchanged once + one fused kernel (model/p2p.py;
+                  on CPU, or without peer access, it is the "gather" path: see boundary_note)
+Measured: per-boundary latency at --tokens (eager, and CUDA-graph replay on GPUs), the
 communication and compute parts alone, each boundary's outputs vs the gather reference
 (bitwise mismatches; NUMERICS.md wants a fused boundary bitwise equal to the unfused one at the
-same TP), and whole decode-step times at batch 1..32 (eager: the reference MoE loops over experts
-on the host, so steps are not graph-capturable yet). Rank 0 writes tp_bench.json under --out.
+same TP), and whole decode-step times at --batches (eager: the reference MoE loops over experts
+on the host, so steps are not graph-capturable yet) against their floor: the per-rank floor
+(weights the step reads, its routing's experts and its KV, over this GPU's measured copy
+bandwidth) plus the measured communication floor (model/tp_measure.py). Rank 0 writes
+tp_bench.json under --out.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,6 +53,8 @@ from model.config import BeamConfig, preset  # noqa: E402
 from model.ops import OpTable  # noqa: E402
 from model.ops import allreduce_norm_residual_norm as arn  # noqa: E402
 from model.parallel import BOUNDARIES, TPGroup, attach, launch  # noqa: E402
+from model.tp_measure import comm_floor, measure, measure_graph, step_comm_floor_us  # noqa: E402
+from model.tp_ranks import random_rank_model  # noqa: E402
 
 
 # ---- the model --------------------------------------------------------------------------------
@@ -66,23 +76,12 @@ def shard_config(tp: int, layers: int, dry_run: bool) -> BeamConfig:
     )
 
 
-def random_model(cfg: BeamConfig, group: TPGroup, seed: int) -> BeamForCausalLM:
-    """Random weights made on the device; replicated tensors equal on every rank."""
-    with torch.device(group.device):
-        model = BeamForCausalLM(cfg, cfg.shard(group.size), rank=group.rank, dtype=torch.bfloat16)
-    for i, (name, buf) in enumerate(model.named_buffers()):
-        replicated = "norm" in name or "router" in name
-        g = torch.Generator(device=group.device)
-        g.manual_seed(seed * 100003 + i * 101 + (0 if replicated else 7919 * (group.rank + 1)))
-        if name.endswith("norm"):
-            buf.normal_(1.0, 0.2, generator=g)
-        elif name.endswith(("router_bias", "gate_bias")):
-            buf.normal_(0.0, 0.05 if "router" in name else 1.0, generator=g)
-        elif name == "embed_tokens":
-            buf.normal_(0.0, 1.0, generator=g)
-        else:
-            buf.normal_(0.0, buf.shape[-1] ** -0.5, generator=g)
-    return attach(model, group)
+def random_model(cfg: BeamConfig, group: TPGroup, seed: int, max_tokens: int,
+                 ops: OpTable) -> BeamForCausalLM:
+    """Random weights made on the device; replicated tensors equal on every rank. Attaching
+    sets up the one-shot boundary's buffers for `max_tokens` tokens (collective)."""
+    model = random_rank_model(cfg, group.size, group.rank, group.device, seed=seed, ops=ops)
+    return attach(model, group, max_tokens)
 
 
 class DecodeAttention:
@@ -110,82 +109,6 @@ class DecodeAttention:
         o = F.scaled_dot_product_attention(q[:, :, None], keys, vals, scale=scale,
                                            enable_gqa=True)
         return o[:, :, 0]
-
-
-# ---- timing -----------------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure(fn, group: TPGroup, warmup: int, repeats: int, inner: int, reset=None) -> dict:
-    """Per-call µs over `repeats` samples of `inner` back-to-back calls (median, IQR)."""
-    for _ in range(warmup):
-        if reset:
-            reset()
-        fn()
-    _sync(group.device)
-    group.barrier()
-    samples = []
-    for _ in range(repeats):
-        if reset:
-            reset()  # outside the timed region (in-place all-reduce grows its buffer)
-        if group.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(inner):
-                fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3 / inner)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            samples.append((time.perf_counter() - t0) * 1e6 / inner)
-    return _stats(samples)
-
-
-def measure_graph(fn, group: TPGroup, repeats: int, inner: int, reset=None) -> dict:
-    """CUDA-graph replay of `inner` calls captured once (GPU time without launch overhead)."""
-    stream = torch.cuda.Stream(group.device)
-    stream.wait_stream(torch.cuda.current_stream(group.device))
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream(group.device).wait_stream(stream)
-    graph, error = torch.cuda.CUDAGraph(), None
-    try:
-        with torch.cuda.graph(graph):
-            for _ in range(inner):
-                fn()
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    # Every rank replays or none does: a lone replay would wait forever in its collectives.
-    flag = torch.tensor([int(error is not None)], dtype=torch.int32, device=group.device)
-    failed = group.gather_partials(flag)
-    if bool(failed.any()):
-        raise RuntimeError(error or f"capture failed on rank(s) {failed.nonzero()[:, 0].tolist()}")
-    graph.replay()
-    _sync(group.device)
-    group.barrier()
-    samples = []
-    for _ in range(repeats):
-        if reset:
-            reset()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / inner)
-    return _stats(samples)
-
-
-def _stats(samples: list[float]) -> dict:
-    t = torch.tensor(samples, dtype=torch.float64)
-    q = torch.quantile(t, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)).tolist()
-    return {"median_us": q[1], "iqr_us": q[2] - q[0], "samples": len(samples)}
 
 
 # ---- the boundary -----------------------------------------------------------------------------
@@ -251,10 +174,10 @@ def boundary_cases(group: TPGroup, cfg: BeamConfig, impls, tokens: int):
         cases.append((label, call))
     group.boundary_impl = "gather"
     if group.size > 1:
-        import torch.distributed as dist
-
         cases.append(("comm:allreduce", lambda: dist.all_reduce(buf, group=group.pg)))
         cases.append(("comm:allgather", lambda: group.gather_partials(mine)))
+    if group.peers is not None and group.peers.fits(mine):
+        cases.append(("comm:oneshot", lambda: group.peers.all_reduce(mine)))
     gathered = group.gather_partials(mine)
     for label, _, ops in impls:
         if label == "gather" or label.startswith("gather+"):
@@ -285,31 +208,103 @@ def time_cases(group: TPGroup, tokens: int, cases, reset, opts, graph: bool) -> 
 
 
 # ---- whole decode steps -----------------------------------------------------------------------
-def bench_steps(group: TPGroup, cfg: BeamConfig, model, impls, opts) -> list[dict]:
+def copy_bandwidth(device: torch.device) -> float | None:
+    """Bytes/s of an elementwise kernel reading and writing 512 MiB (this GPU's ceiling)."""
+    if device.type != "cuda":
+        return None
+    x = torch.ones(1 << 27, device=device)
+    y = torch.empty_like(x)
+    stats = measure(lambda: torch.mul(x, 1.0, out=y), _Solo(device), 2, 10, 1)
+    return 2 * x.nbytes / (stats["median_us"] * 1e-6)
+
+
+class _Solo:
+    """`measure`'s view of a group when only this rank times (no barrier needed)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def barrier(self) -> None:
+        pass
+
+
+def step_bytes(model, attn: DecodeAttention, step, batch: int) -> dict:
+    """Bytes one decode step reads on this rank: its weights (the experts its routing picked,
+    the embedding rows of its tokens) and its KV cache (sliding layers: one window)."""
+    ops, touched = model.ops, []
+
+    def router(*args):
+        weights, ids = ops.router(*args)
+        touched.append(int(torch.unique(ids).numel()))
+        return weights, ids
+
+    model.set_ops(OpTable({**{n: ops.impl(n) for n in ops.sources}, "router": router},
+                          ops.sources))
+    step()
+    model.set_ops(ops)
+    experts = 0
+    for layer in model.layers:
+        if not layer.dense:
+            experts += touched.pop(0) * (layer.experts_gate_up[0].nbytes
+                                         + layer.experts_down[0].nbytes)
+    dense = sum(b.nbytes for n, b in model.named_buffers()
+                if "experts_" not in n and n != "embed_tokens")
+    dense += batch * model.embed_tokens[0].nbytes
+    cfg = model.config
+    keys = sum(min(cfg.window(i) or attn.k.shape[3] + 1, attn.k.shape[3] + 1)
+               for i in range(cfg.num_hidden_layers))
+    kv = 2 * batch * attn.k.shape[2] * keys * cfg.head_dim * attn.k.element_size()
+    return {"weights": dense, "experts": experts, "kv": kv, "total": dense + experts + kv}
+
+
+def bench_steps(group: TPGroup, cfg: BeamConfig, model, impls, opts, progress) -> list[dict]:
     rows = []
     attn = DecodeAttention(cfg, group, max(opts.batches), opts.context)
     model.attention_backend = attn
+    bandwidth = copy_bandwidth(group.device)
     first_logits: dict[int, torch.Tensor] = {}
     for b in opts.batches:
         g = torch.Generator().manual_seed(b)  # same ids on every rank
         ids = torch.randint(0, cfg.vocab_size, (b,), generator=g).to(group.device)
         positions = torch.full((b,), opts.context - 1, device=group.device)
+
+        def step(ids=ids, positions=positions):
+            return model.compute_logits(model.forward_tokens(ids, positions, None))
+
+        model.set_ops(impls[0][2])
+        floor = _step_floor(group, cfg, model, attn, step, b, bandwidth)
         for label, name, ops in impls:
+            if opts.step_impls and label not in opts.step_impls:
+                continue
             group.boundary_impl = name
             model.set_ops(ops)
-
-            def step(ids=ids, positions=positions):
-                return model.compute_logits(model.forward_tokens(ids, positions, None))
-
             logits = step()
             first_logits.setdefault(b, logits)
             stats = measure(step, group, opts.step_warmup, opts.steps, 1)
-            rows.append({"impl": label, "batch": b, "median_ms": stats["median_us"] / 1e3,
+            ms = stats["median_us"] / 1e3
+            rows.append({"impl": label, "batch": b, "median_ms": ms,
                          "iqr_ms": stats["iqr_us"] / 1e3, "steps": stats["samples"],
-                         "logits_equal_to_first_impl": bool(torch.equal(logits, first_logits[b]))})
+                         "logits_equal_to_first_impl": bool(torch.equal(logits, first_logits[b])),
+                         **floor, "x_floor": ms / floor["floor_ms"] if floor["floor_ms"] else None})
+            progress(rows)
+    if group.peers is not None:
+        group.peers.check()
     group.boundary_impl = "gather"
     model.set_ops(OpTable())
     return rows
+
+
+def _step_floor(group: TPGroup, cfg: BeamConfig, model, attn, step, batch: int,
+                bandwidth: float | None) -> dict:
+    """Per-rank floor (bytes over the copy bandwidth) + the measured communication floor."""
+    group.boundary_impl = "gather"
+    read = step_bytes(model, attn, step, batch)
+    comm = comm_floor(group, batch, cfg.hidden_size, model.shard.vocab_size)
+    comm_ms = step_comm_floor_us(comm, cfg.num_hidden_layers) / 1e3
+    rank_ms = read["total"] / bandwidth * 1e3 if bandwidth else None
+    return {"bytes_read": read, "rank_floor_ms": rank_ms, "comm_floor_ms": comm_ms,
+            "comm": comm, "floor_ms": rank_ms + comm_ms if rank_ms is not None else None,
+            "bandwidth_tb_s": bandwidth / 1e12 if bandwidth else None}
 
 
 # ---- driver -----------------------------------------------------------------------------------
@@ -317,24 +312,41 @@ def rank_main(group: TPGroup, opts) -> dict:
     torch.manual_seed(0)
     cfg = shard_config(group.size, opts.layers, opts.dry_run)
     impls = implementations(opts.fused, base_ops(opts.kernels, group.device))
+    step_base = base_ops(opts.step_kernels, group.device)
+    # Built first: attaching it sets up the one-shot buffers every boundary case can use.
+    group.boundary_impl = "oneshot"
+    model = random_model(cfg, group, 0, max(max(opts.tokens), max(opts.batches)), step_base)
     boundary, verify, saved = [], [], []
+
+    def progress(steps: list) -> None:  # rank 0 keeps what is done, should the run be cut short
+        if group.rank == 0:
+            out = Path(opts.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "tp_bench.partial.json").write_text(json.dumps(
+                {"boundary": boundary, "verify": verify, "step": steps}, default=str) + "\n")
+
     for tokens in opts.tokens:
         cases, reset, checks = boundary_cases(group, cfg, impls, tokens)
         verify += checks
         boundary += time_cases(group, tokens, cases, reset, opts, graph=False)
         saved.append((tokens, cases, reset))
-    model = random_model(cfg, group, seed=0)
-    steps = bench_steps(group, cfg, model, impls, opts)
-    del model
+        progress([])
+    step_impls = [(label, name, step_base) for label, name, _ in impls if label in BOUNDARIES]
+    steps = bench_steps(group, cfg, model, step_impls, opts, progress) if opts.batches[0] else []
+    model.attention_backend = None
     # CUDA-graph timings last: a capture that fails must not cost the eager results above.
     if group.device.type == "cuda" and not opts.no_graphs:
         for tokens, cases, reset in saved:
             boundary += time_cases(group, tokens, cases, reset, opts, graph=True)
+    if group.peers is not None:
+        group.peers.check()
     dev = group.device
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
     return {"rank": group.rank, "boundary": boundary, "verify": verify, "step": steps,
             "device": name, "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
+            "boundary_note": group.boundary_note,
             "ops_sources": {label: dict(ops.sources) for label, _, ops in impls},
+            "step_ops_sources": dict(step_base.sources),
             "config": {k: getattr(cfg, k) for k in (
                 "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "intermediate_size", "moe_intermediate_size", "num_experts", "vocab_size")},
@@ -364,7 +376,9 @@ def _meta(opts, ranks: list[dict]) -> dict:
             "shard_per_rank": ranks[0]["shard"], "boundaries_per_step": 2 * opts.layers,
             "context": opts.context, "inner_calls": opts.inner, "repeats": opts.repeats,
             "nccl_nvls_enable": ranks[0]["nccl_nvls_enable"], "kernels": opts.kernels,
-            "ops_sources": ranks[0]["ops_sources"]}
+            "step_kernels": opts.step_kernels, "ops_sources": ranks[0]["ops_sources"],
+            "step_ops_sources": ranks[0]["step_ops_sources"],
+            "boundary_note": ranks[0]["boundary_note"]}
 
 
 def merge(opts, ranks: list[dict]) -> dict:
@@ -379,6 +393,10 @@ def merge(opts, ranks: list[dict]) -> dict:
             "step": ranks[0]["step"]}
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"), help="output directory")
@@ -387,7 +405,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 6; dry 4)")
     ap.add_argument("--fused", default=None, help="variant file exporting run(partials, ...)")
     ap.add_argument("--kernels", default="reference",
-                    help="ops for the whole steps: reference, tuned, or a registry lock file")
+                    help="ops for the boundary cases: reference, tuned, or a registry lock file")
+    ap.add_argument("--step-kernels", default=None,
+                    help="ops for the whole steps (default: --kernels)")
+    ap.add_argument("--tokens", default=None, help="boundary token counts (default 1,8,64,2048)")
+    ap.add_argument("--batches", default=None,
+                    help="decode batch sizes, 0 for none (default 1,8,32,64)")
+    ap.add_argument("--step-impls", default=None,
+                    help="boundaries to time whole steps with (default: all registered)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per row (default 10)")
     ap.add_argument("--context", type=int, default=None, help="cached keys per sequence")
     ap.add_argument("--no-graphs", action="store_true", help="skip CUDA-graph boundary timings")
     ap.add_argument("--timeout", type=float, default=300.0, help="whole-run bound, seconds")
@@ -396,10 +422,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     opts.backend = "gloo" if dry or not torch.cuda.is_available() else "nccl"
     opts.layers = opts.layers or (4 if dry else 6)
     opts.context = opts.context or (32 if dry else 1024)
-    opts.tokens = [1, 17] if dry else [1, 2048]
-    opts.batches = [1, 2] if dry else [1, 2, 4, 8, 16, 32]
+    opts.tokens = _ints(opts.tokens or ("1,17" if dry else "1,8,64,2048"))
+    opts.batches = _ints(opts.batches or ("1,2" if dry else "1,8,32,64"))
+    opts.step_kernels = opts.step_kernels or opts.kernels
+    opts.step_impls = [x for x in (opts.step_impls or "").split(",") if x]
     opts.warmup, opts.repeats, opts.inner = (1, 3, 2) if dry else (10, 30, 20)
-    opts.step_warmup, opts.steps = (1, 2) if dry else (3, 10)
+    opts.step_warmup, opts.steps = (1, 2) if dry else (2, opts.steps or 10)
     return opts
 
 
@@ -413,8 +441,12 @@ def summary(result: dict) -> str:
         lines.append(f"verify   T={row['tokens']:<5} {row['impl']:<28} mismatches "
                      f"{row['mismatches']}/{row['numel']} max_ulp {row['max_ulp']}")
     for row in result["step"]:
+        floor = (f"floor {row['floor_ms']:.2f} ms (rank {row['rank_floor_ms']:.2f} + comm "
+                 f"{row['comm_floor_ms']:.2f}), x{row['x_floor']:.1f}" if row["floor_ms"]
+                 else f"comm floor {row['comm_floor_ms']:.2f} ms")
         lines.append(f"step     B={row['batch']:<5} {row['impl']:<28} {row['median_ms']:8.2f} ms "
-                     f"iqr {row['iqr_ms']:.2f}")
+                     f"iqr {row['iqr_ms']:.2f}  {floor}")
+    lines.append(f"boundary note: {result['meta']['boundary_note']}")
     return "\n".join(lines)
 
 

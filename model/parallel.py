@@ -12,10 +12,15 @@ beyond reproducibility: the MoE router runs on every rank and must pick the same
 The vocab-parallel lm_head output is gathered in BF16 before the FP32 softcap.
 
 Boundary implementations are a name registry (`BOUNDARIES`): "gather" (the reference above, which
-calls the op through the model's OpTable, so a fused kernel for the stacked form plugs in) and
+calls the op through the model's OpTable, so a fused kernel for the stacked form plugs in),
 "allreduce" (the backend's in-place all-reduce, then the unfused `norm_residual_norm`; equal to
-"gather" bitwise at TP=2, not beyond). A fused NCCL or one-shot peer-to-peer boundary registers
-under a new name with `register_boundary`.
+"gather" bitwise at TP=2, not beyond) and "oneshot" (model/p2p.py: every rank reads its peers'
+partials over NVLink from buffers exchanged once, and one kernel sums them in FP32 rank order and
+applies the norms; bitwise equal to "gather", whose path it takes where it cannot run: on CPU,
+without peer access, for a non-bf16 model or a call larger than its buffers). NCCL groups use
+"oneshot" by default, set up by `attach` (a start-up check against "gather" on every rank decides;
+`TPGroup.boundary_note` says which runs and why). Others register with `register_boundary`.
+NVLink multicast stays off: `init_tp` refuses an environment that enables it (p2p.py).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from . import p2p
 from .ops.allreduce_norm_residual_norm import rank_sum
 
 BACKENDS = ("gloo", "nccl")
@@ -68,6 +74,8 @@ class TPGroup:
     device: torch.device
     pg: Any = None  # torch.distributed ProcessGroup; None at size 1
     boundary_impl: str = "gather"
+    peers: p2p.PeerView | None = None  # the one-shot buffers, once `attach` set them up
+    boundary_note: str = ""  # which boundary runs, and why (set by `attach`)
 
     def gather_partials(self, t: Tensor) -> Tensor:
         """[R, *t.shape]: every rank's `t`, in rank order (bitwise copies, any dtype)."""
@@ -80,7 +88,11 @@ class TPGroup:
 
     def all_reduce(self, t: Tensor) -> Tensor:
         """Sum over ranks: FP32 in rank order, rounded once to t's dtype; same bits everywhere."""
-        return t if self.size == 1 else rank_sum(self.gather_partials(t))
+        if self.size == 1:
+            return t
+        if self.peers is not None and self.peers.fits(t):
+            return self.peers.all_reduce(t)
+        return rank_sum(self.gather_partials(t))
 
     def all_gather_vocab(self, t: Tensor) -> Tensor:
         """[..., V/R] vocab slice per rank -> [..., V], rank r's slice at columns r*V/R..."""
@@ -121,6 +133,9 @@ class TPGroup:
         return box[0]
 
     def destroy(self) -> None:
+        if self.peers is not None:
+            self.peers.close()
+            self.peers = None
         if self.pg is not None and dist.is_initialized():
             dist.destroy_process_group(self.pg)
         self.pg = None
@@ -147,7 +162,18 @@ def _allreduce_boundary(group: TPGroup, ops, partial, residual, post_weight, nex
     return ops.norm_residual_norm(partial, residual, post_weight, next_weight, add_index, eps)
 
 
-BOUNDARIES: dict[str, BoundaryFn] = {"gather": _gather_boundary, "allreduce": _allreduce_boundary}
+def _oneshot_boundary(group: TPGroup, ops, partial, residual, post_weight, next_weight,
+                      add_index: int, eps: float):
+    # Every rank sees the same shapes, so every rank takes the same path on every call.
+    peers = group.peers
+    if peers is None or not peers.fits(partial):
+        return _gather_boundary(group, ops, partial, residual, post_weight, next_weight,
+                                add_index, eps)
+    return peers.boundary(partial, residual, post_weight, next_weight, add_index, eps)
+
+
+BOUNDARIES: dict[str, BoundaryFn] = {"gather": _gather_boundary, "allreduce": _allreduce_boundary,
+                                     "oneshot": _oneshot_boundary}
 
 
 def register_boundary(name: str, fn: BoundaryFn) -> None:
@@ -161,12 +187,15 @@ def register_boundary(name: str, fn: BoundaryFn) -> None:
 # ---- setup ----------------------------------------------------------------------------------
 def init_tp(tp: int, rank: int, backend: str = "gloo", init_method: str = "env://",
             timeout_s: float = DEFAULT_PG_TIMEOUT_S, local_rank: int | None = None,
-            boundary_impl: str = "gather") -> TPGroup:
+            boundary_impl: str | None = None) -> TPGroup:
     """Join (or create) the process group of `tp` ranks as `rank`; tp=1 needs no process group.
 
     NCCL ranks use GPU `local_rank` (default: $LOCAL_RANK, else `rank`). A collective that waits
-    longer than `timeout_s` for a peer raises instead of hanging.
+    longer than `timeout_s` for a peer raises instead of hanging. `boundary_impl` (a BOUNDARIES
+    name) defaults to "oneshot" for NCCL and "gather" for gloo.
     """
+    if boundary_impl is None:
+        boundary_impl = "oneshot" if backend == "nccl" else "gather"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if tp < 1 or not 0 <= rank < tp:
@@ -177,12 +206,15 @@ def init_tp(tp: int, rank: int, backend: str = "gloo", init_method: str = "env:/
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
     device = torch.device("cpu")
     if backend == "nccl":
+        # NVLink multicast (NVLS) is switched off on our GPU machines and must not be used.
+        try:
+            p2p.disable_multicast()
+        except p2p.P2PError as exc:
+            raise TPError(f"rank {rank}: {exc}") from None
         if not torch.cuda.is_available() or local_rank >= torch.cuda.device_count():
             raise TPError(f"rank {rank}: backend 'nccl' needs GPU {local_rank}, but "
                           f"{torch.cuda.device_count()} GPU(s) are visible; use backend='gloo' "
                           "on CPU or fewer ranks")
-        # NVLink multicast (NVLS) is switched off on our GPU machines and must not be used.
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     if tp == 1:
@@ -198,8 +230,12 @@ def init_tp(tp: int, rank: int, backend: str = "gloo", init_method: str = "env:/
     return TPGroup(rank, tp, backend, device, dist.group.WORLD, boundary_impl)
 
 
-def attach(model, group: TPGroup):
-    """Point `model`'s TP hooks at `group`: embedding sum, vocab gather, the fused boundary."""
+def attach(model, group: TPGroup, max_tokens: int = p2p.DEFAULT_CAPACITY):
+    """Point `model`'s TP hooks at `group`: embedding sum, vocab gather, the fused boundary.
+
+    With the "oneshot" boundary this is collective (every rank attaches its model): the first
+    bf16 model sets up the peer buffers for `max_tokens` tokens a call and checks them.
+    """
     shard = model.shard
     if shard.tp != group.size or model.rank != group.rank:
         raise ValueError(f"model holds rank {model.rank} of a TP{shard.tp} shard, but the group "
@@ -211,10 +247,31 @@ def attach(model, group: TPGroup):
     if group.size == 1:
         model.all_reduce, model.gather_vocab, model.tp_boundary = _identity, _identity, None
         return model
+    if group.boundary_impl == "oneshot":
+        _setup_oneshot(model, group, max_tokens)
+    else:
+        group.boundary_note = f"{group.boundary_impl} boundary"
     model.all_reduce = group.all_reduce
     model.gather_vocab = group.all_gather_vocab
     model.tp_boundary = group.boundary
     return model
+
+
+def _setup_oneshot(model, group: TPGroup, max_tokens: int) -> None:
+    h = model.config.hidden_size
+    if group.peers is not None and group.peers.hidden == h and model.dtype == torch.bfloat16:
+        return  # set up by an earlier model of the same width
+    if group.peers is not None:
+        group.peers.close()
+        group.peers = None
+    ops = model.ops
+
+    def reference(partial, residual, post_weight, next_weight, add_index, eps):
+        return _gather_boundary(group, ops, partial, residual, post_weight, next_weight,
+                                add_index, eps)
+
+    group.peers, group.boundary_note = p2p.setup_oneshot(group, h, model.dtype, max_tokens,
+                                                         reference)
 
 
 def _identity(t: Tensor) -> Tensor:

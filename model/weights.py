@@ -342,15 +342,21 @@ def load_model(
     kernels: str | Path = "tuned",
     registry: str | Path | None = None,
 ) -> BeamForCausalLM:
-    """Load a Beam checkpoint (HF layout) for one TP rank; the router stays FP32.
+    """Load a Beam checkpoint (HF layout) for one TP rank; the router stays FP32. A directory
+    made by `model.tp_ranks.write_random_model_dir` gives random weights at the rank's shapes.
 
     `kernels` picks every op's implementation through the registry (model/registry/): `tuned`
     (the lock's section for `device`'s arch), `reference`, or the path of a lock file; variants
     and their evidence come from `registry` (default: the checkout's kernels/ or the shipped one).
     """
     from .registry import resolve_ops
+    from .tp_ranks import random_rank_model, random_weights_seed
 
     cfg = BeamConfig.load(path)
+    seed = random_weights_seed(path)
+    if seed is not None:  # a random-weights directory: the rank's slice is filled on its device
+        ops = resolve_ops(kernels, registry, device=device, dtype=dtype)
+        return random_rank_model(cfg, tp, rank, device, dtype, seed, ep, ops)
     reader = CheckpointReader(path)
     check_checkpoint(reader, cfg)
     ops = resolve_ops(kernels, registry, device=device, dtype=dtype)

@@ -134,10 +134,10 @@ def flashinfer_v1(monkeypatch):
 
 
 @pytest.mark.parametrize("shape", [
-    {"T": 4, "B": 4, "S": 30, "W": 0, "page": 4},  # decode rows
-    {"T": 3, "B": 3, "S": 21, "W": 5, "page": 5},  # decode rows, window pages from kv_base
-    {"T": 11, "B": 3, "S": 40, "W": 6, "page": 4},  # prefill chunks
-    {"T": 6, "B": 1, "S": 6, "W": 0, "page": 1},  # one whole prompt, pages of one slot
+    {"T": 4, "seqs": 0, "S": 30, "W": 0, "page": 4},  # decode rows
+    {"T": 3, "seqs": 0, "S": 21, "W": 5, "page": 5},  # decode rows, window pages from kv_base
+    {"T": 11, "seqs": 3, "S": 40, "W": 6, "page": 4},  # prefill chunks
+    {"T": 6, "seqs": 1, "S": 6, "W": 0, "page": 1},  # one whole prompt, pages of one slot
 ])
 def test_flashinfer_planning_matches_the_reference(flashinfer_v1, shape) -> None:
     c = contract("attention")

@@ -13,9 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autoopt.eval.verify import prepare_all, run_trials
+from autoopt.eval.plan import Budget
 from model.ops import contract
 from model.registry import Registry
+from tests.test_eval_trials import session
 
 
 @pytest.fixture(scope="module")
@@ -27,24 +28,24 @@ def variants():
 
 
 def _verify(op: str, run, shapes: list[dict], config: dict | None = None, seeds=(0,)):
-    c = contract(op)
-    prepared = prepare_all(c, shapes, seeds, "cpu")
-    reasons, checks, _ = run_trials(c, run, prepared, {"device": "cpu", "config": config})
-    return reasons, checks
+    """The judge's whole session in this process (tests/test_eval_trials.py): the given bucket
+    shapes plus the drawn, long and edge-case ones it adds, small token counts."""
+    budget = Budget(seeds=len(seeds), max_tokens=24)
+    reasons, checks, _ = session(op, lambda *a: run(*a, config=config), budget, shapes=shapes)
+    return reasons, {"numerics": checks["numerics"], "near_misses": checks["near"]}
 
 
 ATTENTION_SHAPES = [
-    {"T": 1, "B": 1, "S": 37, "Hq": 6, "Hkv": 1, "D": 32, "W": 0, "page": 4},
-    {"T": 3, "B": 3, "S": 21, "Hq": 4, "Hkv": 2, "D": 16, "W": 5, "page": 5},
-    {"T": 2, "B": 2, "S": 9, "Hq": 2, "Hkv": 2, "D": 16, "W": 0, "page": 1},
-    {"T": 7, "B": 2, "S": 30, "Hq": 6, "Hkv": 1, "D": 16, "W": 6, "page": 4},  # chunks
+    {"T": 1, "seqs": 0, "S": 37, "Hq": 6, "Hkv": 1, "D": 32, "W": 0, "page": 4},
+    {"T": 3, "seqs": 0, "S": 21, "Hq": 4, "Hkv": 2, "D": 16, "W": 5, "page": 5},
+    {"T": 2, "seqs": 0, "S": 9, "Hq": 2, "Hkv": 2, "D": 16, "W": 0, "page": 1},
+    {"T": 7, "seqs": 2, "S": 30, "Hq": 6, "Hkv": 1, "D": 16, "W": 6, "page": 4},  # chunks
 ]
 
 
-@pytest.mark.parametrize("config", [
-    {"SPLITS": 1, "BLOCK_N": 16},
-    pytest.param({"SPLITS": 8, "BLOCK_N": 16}, marks=pytest.mark.slow),
-    pytest.param({"SPLITS": 0, "BLOCK_N": 32}, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [{"SPLITS": 1, "BLOCK_N": 16}, {"SPLITS": 8, "BLOCK_N": 16},
+                                    {"SPLITS": 0, "BLOCK_N": 32}])
 def test_attention_triton_v1_passes_the_harness(variants, config):
     reasons, checks = _verify("attention", variants["attention", "triton_v1"].run,
                               ATTENTION_SHAPES, config)
@@ -59,7 +60,7 @@ def test_attention_never_reads_slots_it_may_not_see(variants, window):
     # Every slot no query may see holds NaN (stale pages, freed and reused pages, the null
     # page): the output must equal the reference's on a clean cache and be finite.
     c = contract("attention")
-    shape = {"T": 4, "B": 4, "S": 23, "Hq": 4, "Hkv": 2, "D": 16, "W": window, "page": 4}
+    shape = {"T": 4, "seqs": 0, "S": 23, "Hq": 4, "Hkv": 2, "D": 16, "W": window, "page": 4}
     q, kc, vc, table, base, q_seq, q_pos, w, scale = c.make_inputs(shape, 3)
     ref = c.reference(q, kc, vc, table, base, q_seq, q_pos, w, scale)
     seen = torch.zeros(kc.shape[0] * kc.shape[1], dtype=torch.bool)

@@ -79,3 +79,19 @@ def test_bench_target_shapes_as_json():
     assert [r["shape"] for r in rows] == [target.op_shapes(b)["swiglu"]
                                          for b in target.batch_sizes]
     assert all(r["impl"] == "reference" and r["meaningful"] is False for r in rows)
+
+
+def test_verify_secret_reproduces_the_plan(registry):
+    args = ["verify", "--op", "swiglu", "--variant", "plain", "--registry", str(registry),
+            "--device", "cpu", "--seeds", "0", "--json"]
+    first = json.loads(_run(args).stdout)
+    again = json.loads(_run([*args, "--secret", first["secret"]]).stdout)
+    other = json.loads(_run(args).stdout)
+    assert again["checks"]["plan"] == first["checks"]["plan"] and again["seeds"] == first["seeds"]
+    assert other["secret"] != first["secret"] and other["seeds"] != first["seeds"]
+
+
+def test_verify_bad_secret_is_a_clear_error(registry):
+    res = _run(["verify", "--op", "swiglu", "--variant", "plain", "--registry", str(registry),
+                "--device", "cpu", "--secret", "xyz"])
+    assert res.exit_code == 2 and "--secret must be the hex string" in res.output

@@ -52,10 +52,12 @@ def test_bitwise_policy_is_strict_on_cuda_and_stated_on_cpu():
     cuda = effective_policy(sw, torch.bfloat16, "cuda")
     cpu = effective_policy(sw, torch.bfloat16, "cpu")
     assert (cuda.kind, cuda.max_ulp) == ("bitwise", 0)
-    assert (cpu.kind, cpu.max_ulp, cpu.max_mismatch_fraction) == ("ulp", 1, 1e-3)
-    assert "strictly on cuda" in cpu.describe()
+    # No looser than the interpreter needs: honest kernels are exact in BF16 there, and within one
+    # unbiased FP32 ulp in ~0.6% of logit_softcap's values.
+    assert (cpu.kind, cpu.max_ulp, cpu.max_mismatch_fraction) == ("ulp", 1, 1e-4)
+    assert "strict on cuda" in cpu.describe()
     soft = effective_policy(contract("logit_softcap").numerics, torch.float32, "cpu")
-    assert (soft.max_ulp, soft.judge_bias) == (2, False)
+    assert (soft.max_ulp, soft.max_mismatch_fraction, soft.judge_bias) == (1, 0.02, True)
     ids = effective_policy(contract("router").numerics, torch.int64, "cuda")
     assert ids.kind == "exact"
 
@@ -93,6 +95,21 @@ def test_bias_test_catches_truncation_but_not_noise():
     stats = OutputStats()
     stats.add(noisy, ref)
     assert judge(Policy("ulp", 1, 1.0, True, ""), stats, "output 0") == []
+
+
+def test_fraction_bound_has_a_poisson_margin_per_shape():
+    from autoopt.eval.numerics import allowed_mismatches
+
+    assert allowed_mismatches(320, 0.0) == 0  # bitwise: none
+    assert allowed_mismatches(320, 1e-3) == 3  # 0.32 expected: rare noise passes on a small shape
+    assert allowed_mismatches(1_000_000, 1e-3) == 1127  # ~ the fraction itself on a large one
+    ref = torch.randn(320).to(torch.bfloat16)
+    cand = ref.clone()
+    cand[:20] = _next_up(ref[:20], 1)  # a deviation confined to one small shape: 6% of it
+    stats = OutputStats()
+    stats.add(cand, ref)
+    assert any("mismatch fraction" in r for r in judge(Policy("ulp", 1, 1e-3, True, ""), stats,
+                                                       "output 0 at T=1,H=320"))
 
 
 def test_mismatch_count_handles_wrong_shapes():

@@ -37,23 +37,25 @@ REFUSED = [
     ("from . import helper", "relative import"),
     ("x = eval('1')", "calls eval"),
     ("exec('x = 1')", "calls exec"),
-    ("c = compile('1', 'f', 'eval')", "calls compile"),
-    ("m = __import__('os')", "calls __import__"),
-    ("f = open('/tmp/x', 'w')", "uses open() (file I/O)"),
+    ("c = compile('1', 'f', 'eval')", "uses compile (calls compile)"),
+    ("m = __import__('os')", "uses __import__"),
+    ("f = open('/tmp/x', 'w')", "uses open (file I/O)"),
     ("import torch\nf = getattr(torch, 'comp' + 'ile')", "uses getattr"),
     ("import torch\nsetattr(torch, 'x', 1)", "uses setattr"),
-    ("g = globals()", "uses globals()"),
+    ("g = globals()", "uses globals (interpreter access)"),
     ("import torch\nk = torch.tensor(1).__class__", "accesses __class__"),
     ("import torch\nk = ().__class__.__subclasses__()", "accesses __subclasses__"),
     ("b = __builtins__", "uses __builtins__"),
     ("import torch\nf = torch.compile(lambda x: x)", "uses torch.compile"),
     ("import torch as T\nf = T.compile", "uses torch.compile"),
     ("from torch import compile", "uses torch.compile"),
-    ("import torch._dynamo", "uses torch.compile"),
-    ("import torch\nm = torch.hub.load('a', 'b')", "uses torch.hub (network)"),
+    ("import torch._dynamo", "accesses the private torch._dynamo"),
+    ("import torch\nm = torch.hub.load('a', 'b')", "reaches the module torch.hub"),
     ("import torch\ntorch.save({}, 'x')", "file I/O (torch.save)"),
     ("import torch\nx = torch.load('x')", "file I/O (torch.load)"),
     ("import numpy as np\nnp.save('x', 1)", "file I/O (numpy)"),
+    ("import numpy as np\nnp.savetxt('x', [1])", "file I/O (numpy)"),
+    ("import torch\ns = torch.cuda.get_stream_from_external(0)", "uses CUDA streams"),
     ("import torch\ns = torch.cuda.Stream()", "uses CUDA streams (side-stream work)"),
     ("import torch\nwith torch.cuda.stream(None):\n    pass", "uses CUDA streams"),
     ("import torch\ntorch.cuda.current_stream().wait_stream(None)", "uses CUDA streams"),
@@ -70,7 +72,7 @@ REFUSED = [
     ("import torch\ntorch.Tensor.clone = lambda self: self", "monkeypatches torch.Tensor.clone"),
     ("import torch\ndel torch.cuda.synchronize", "monkeypatches torch.cuda.synchronize"),
     ("import torch\nimport torch.library", "overrides torch operators"),
-    ("import torch\nx = torch._C._get_tracing_state()", "uses torch._C internals"),
+    ("import torch\nx = torch._C._get_tracing_state()", "accesses the private torch._C"),
     ("import torch\nclass T(torch.Tensor):\n    @classmethod\n"
      "    def __torch_dispatch__(cls, f, t, a=(), k=None):\n        return 0",
      "defines __torch_dispatch__"),
@@ -79,7 +81,53 @@ REFUSED = [
     ("import torch\nT = torch\nT.cuda.Event = object", "monkeypatches torch.cuda.Event"),
     ("import torch\nx = torch\ny = x.compile", "uses torch.compile"),
     ("import torch\nx = torch.zeros(1)\nx.numpy().tofile('f')", "file I/O (tofile)"),
-    ("import torch\nfrom torch.utils.cpp_extension import load_inline", "builds native extensions"),
+    # Modules reached as attributes of allowed ones, whatever the path.
+    ("import torch\ns = torch.sys.modules", "reaches torch.sys (interpreter access)"),
+    ("from torch import sys", "reaches torch.sys"),
+    ("import triton\nx = triton.knobs", "reaches the module triton.knobs"),
+    ("import numpy as np\nb = np.builtins", "reaches numpy.builtins"),
+    ("import numpy as np\nb = np.core.multiarray", "reaches the module numpy.core"),
+    ("import typing\nb = typing.sys", "reaches typing.sys"),
+    ("import dataclasses\nx = dataclasses.inspect", "reaches dataclasses.inspect"),
+    ("import torch.nn.functional as F\nx = F.torch.sys", "interpreter access"),
+    ("import triton.language as tl\nx = tl.core", "reaches the module triton.language.core"),
+    ("import triton\nx = triton.runtime.driver", "reaches the module triton.runtime"),
+    ("import triton\nx = triton.testing.do_bench", "reaches the module triton.testing"),
+    ("import torch\nx = torch.utils.benchmark.Timer", "reaches the module torch.utils"),
+    ("import torch\nx = torch.backends.cudnn.allow_tf32", "torch.backends.cudnn"),
+    ("import torch\nx = torch.ops.aten", "reaches the module torch.ops"),
+    ("import numpy.random", "reaches the module numpy.random"),
+    # Frames, tracebacks, closures and dunders, on any object.
+    ("def g():\n    yield 1\nf = g().gi_frame", "accesses gi_frame (frames"),
+    ("x = (lambda: 1).__globals__", "accesses __globals__"),
+    ("try:\n    pass\nexcept Exception as e:\n    t = e.__traceback__", "accesses __traceback__"),
+    ("x = [1][0].f_back", "accesses f_back"),
+    # Dynamic code and attributes under other names; names hidden in strings.
+    ("import operator\nf = operator.attrgetter('x')", "dynamic attribute access (attrgetter)"),
+    ("import operator\nf = operator.methodcaller('x')", "methodcaller"),
+    ("x = '{0.__class__}'.format(1)", "names __class__ in a string"),
+    ("x = type(1)", "uses type (interpreter access)"),
+    ("x = hasattr(1, 'a')", "uses hasattr (dynamic attribute access)"),
+    ("x = vars()", "uses vars (interpreter access)"),
+    ("x = __builtins__", "uses __builtins__"),
+    ("x = __loader__", "uses __loader__"),
+    ("exit()", "uses exit"),
+    ("getattr = 1", "rebinds the builtin getattr"),
+    ("import typing\nh = typing.get_type_hints", "evaluates strings as code"),
+    ("from torch import *", "star import"),
+    ("class A(metaclass=type):\n    pass", "metaclass tricks"),
+    ("match 1:\n    case object(__class__=c):\n        pass", "matches the attribute __class__"),
+    # torch.compile under any name, timers, graph-capture detection.
+    ("import torch\nc = [torch][0].compile", "accesses .compile"),
+    ("import torch\nx = torch.compiler", "uses torch.compile"),
+    ("import torch\nx = torch.jit.script", "uses a compiler (torch.jit)"),
+    ("import torch\nx = torch.cuda.is_current_stream_capturing()", "inspects graph capture"),
+    ("import triton.language as tl\nt = tl.extra.cuda.globaltimer", "reads a GPU timer"),
+    ("x = 'mov.u64 %0, %globaltimer;'", "reads a GPU timer"),
+    ("import torch\n[torch.Tensor][0].copy_ = None", "assigns an attribute of a computed object"),
+    ("import torch\nx = torch.cuda.memory_allocated()", "inspects the caching allocator"),
+    ("import torch\nfrom torch.utils.cpp_extension import load_inline",
+     "reaches the module torch.utils"),
 ]
 
 
@@ -107,6 +155,12 @@ def test_missing_run_is_a_reason():
     "import torch\nCACHE = {}\nCACHE['k'] = 1",  # a module-level dict of its own is fine
     "import torch\ns = torch.cuda.current_stream()",  # reading the current stream is fine
     "class Config:\n    def __init__(self):\n        self.block = 128",
+    "import torch\nx = torch.backends.cpu.get_cpu_capability()",
+    "import torch\nimport triton\nx = triton.cdiv(7, 2) + torch.finfo(torch.bfloat16).bits",
+    "import triton.language as tl\nfrom triton.language.extra import libdevice\nf = libdevice.exp",
+    "import functools\nimport operator\nx = functools.reduce(operator.mul, [2, 3])",
+    "import torch\nclass Buf(torch.Tensor):\n    pass",
+    "x = [i * 2 for i in range(3)]\ny = {k: v for k, v in zip('ab', x)}",
 ])
 def test_honest_constructs_pass(snippet):
     assert static_screen(snippet + RUN) == []
@@ -120,3 +174,14 @@ def test_honest_triton_variant_passes():
 def test_registry_variants_pass_the_screen(path):
     # The hand-written kernels in kernels/ are honest: a screen that refused them would be wrong.
     assert static_screen(path.read_text()) == []
+
+
+def test_rendered_templates_pass_the_screen():
+    from autoopt.agents.base import TEMPLATES
+    from autoopt.agents.template import TemplateSpec
+
+    files = sorted(TEMPLATES.glob("*__*.py"))
+    assert files
+    for f in files:
+        op, name = f.stem.split("__")
+        assert static_screen(TemplateSpec(op, name, f.name, "", "").render()) == [], f.name

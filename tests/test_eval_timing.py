@@ -29,12 +29,28 @@ def test_sets_needed_spans_twice_the_l2():
     assert sets_needed(0, l2) == 1
 
 
-def test_rotating_sets_are_distinct_buffers():
-    sets = rotating_sets(lambda k: (torch.full((3,), float(k)), 7), 5, distinct=2)
+def test_rotating_sets_are_distinct_data_in_distinct_buffers():
+    sets = rotating_sets(lambda k: (torch.full((3,), float(k)), 7), 5)
     assert len(sets) == 5 and all(s[1] == 7 for s in sets)
-    ptrs = {s[0].data_ptr() for s in sets}
-    assert len(ptrs) == 5
-    assert torch.equal(sets[4][0], sets[0][0])  # clones of the distinct ones
+    assert len({s[0].data_ptr() for s in sets}) == 5
+    assert len({float(s[0][0]) for s in sets}) == 5  # no clones: a content cache cannot help
+
+
+def test_set_count_is_distinct_sets_within_a_byte_cap():
+    from autoopt.eval.timing import CPU_MAX_SETS, MIN_SETS, set_count
+
+    assert set_count(1000, "cpu") == max(MIN_SETS["cpu"], CPU_MAX_SETS)
+    assert set_count(1 << 30, "cpu") == 2  # huge inputs: at least two distinct sets
+
+
+def test_worker_times_must_agree_with_the_judges_clock():
+    from autoopt.eval.timing import _clock_check
+
+    assert _clock_check(0.095, 0.100) == (True, [])
+    ok, notes = _clock_check(0.010, 0.100)  # the worker claims a tenth of the elapsed time
+    assert not ok and "disagree with the judge's clock" in notes[0]
+    assert not _clock_check(0.2, 0.1)[0]  # more than elapsed is impossible too
+    assert _clock_check(1e-4, 1e-3)[0]  # too short to tell: not judged
 
 
 def test_time_callable_on_cpu_is_labelled_not_meaningful():
@@ -76,6 +92,7 @@ def test_bench_op_rows_on_cpu():
     for r in rows:
         assert r.impl == "honest_torch_swiglu" and r.op == "swiglu"
         assert r.meaningful is False and r.floor_ok is True and r.gpu is None
+        assert r.valid and r.method == "cpu-perf-counter in the worker" and r.wall_us > 0
         assert r.median_us > 0 and r.reference_us > 0 and r.compile_us is None
         assert r.x_reference == pytest.approx(r.reference_us / r.median_us)
         assert r.torch == torch.__version__ and r.triton
@@ -89,6 +106,20 @@ def test_bench_op_times_torch_compile_in_the_same_run():
     assert row.impl == "reference" and row.x_reference == pytest.approx(1.0)
     compiled = row.compile_us is not None
     assert compiled or any("torch.compile failed" in n for n in row.notes)
+
+
+def test_bench_op_voids_timings_whose_outputs_are_wrong(tmp_path):
+    # Exact while verified (few calls), wrong in a timing loop: the timed outputs are judged.
+    src = tmp_path / "fast_when_timed.py"
+    src.write_text(
+        "import torch.nn.functional as F\n\n_N = [0]\n\n\n"
+        "def run(gate, up, config=None):\n    _N[0] += 1\n"
+        "    if _N[0] <= 4:\n        return (F.silu(gate.float()) * up.float()).to(gate.dtype)\n"
+        "    return F.silu(gate) * up\n")
+    (row,) = bench_op("swiglu", src, [{"T": 17, "I": 64}], "cpu", warmup=1, iters=3,
+                      compile=False)
+    assert row.valid is False and row.floor_ok is False
+    assert any(n.startswith("timing void") for n in row.notes), row.notes
 
 
 def test_bench_op_refuses_a_screened_variant():

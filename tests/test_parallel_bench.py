@@ -18,15 +18,20 @@ def _check(result: dict, fused: bool) -> None:
     assert meta["tp"] == 2 and meta["backend"] == "gloo" and meta["dry_run"]
     assert meta["devices"] == ["cpu", "cpu"] or len(meta["devices"]) == 2
     impls = {row["impl"] for row in result["boundary"]}
-    assert {"gather", "allreduce", "comm:allreduce", "comm:allgather", "compute:gather",
-            "compute:norm_residual_norm"} <= impls
+    assert {"gather", "allreduce", "oneshot", "comm:allreduce", "comm:allgather",
+            "compute:gather", "compute:norm_residual_norm"} <= impls
+    # gloo: the one-shot boundary takes its all-gather fallback (no peer buffers, no comm row).
+    assert "gather fallback" in meta["boundary_note"] and "comm:oneshot" not in impls
     assert {row["tokens"] for row in result["boundary"]} == {1, 17}
     assert all(row["median_us"] > 0 for row in result["boundary"])
     # At TP=2 both boundaries equal the op's reference bitwise, on every rank.
     assert result["verify"] and all(row["all_ranks_bitwise"] for row in result["verify"])
     steps = result["step"]
-    impls = ("gather", "allreduce") + (("gather+fused",) if fused else ())
+    impls = ("gather", "allreduce", "oneshot")
     assert {(row["impl"], row["batch"]) for row in steps} == {(i, b) for i in impls for b in (1, 2)}
+    # The floor: no bandwidth ceiling on the CPU, but the communication floor is measured.
+    assert all(row["floor_ms"] is None and row["comm_floor_ms"] > 0 for row in steps)
+    assert all(row["bytes_read"]["experts"] > 0 and row["bytes_read"]["kv"] > 0 for row in steps)
     if fused:
         timed = {row["impl"] for row in result["boundary"]}
         assert {"gather+fused", "compute:gather+fused"} <= timed

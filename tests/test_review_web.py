@@ -140,7 +140,9 @@ def test_candidate_page_shows_diff_evidence_plots_notes_and_transcript(server):
     assert '<span class="k">def</span>' in html  # highlighted by pygments
     cpu = c.get(f"/variant/{OP}/{NAME}?arch=cpu").text
     assert "swiglu/reference (selected for cpu)" in cpu  # nothing locked for cpu
-    for text in ("ulp histogram", "Near misses", "bf16_two_step", "Per shape and seed (2",
+    # The judge adds drawn, long and edge-case shapes to the two given: a count, not 2.
+    assert re.search(r"Per shape and seed \(\d+", cpu)
+    for text in ("ulp histogram", "Near misses", "bf16_two_step",
                  "static_screen", "Time per token bucket", "CPU: not meaningful for speed",
                  "two rows per program halve the launches", "I will tile two rows",
                  "harness", f'href="/runs/{RUN}"'):

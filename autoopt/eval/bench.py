@@ -1,7 +1,11 @@
-"""The benchmark job, run inside the sandbox child (see `timing.bench_op`).
+"""`bench_op`: the reference, torch.compile and a candidate timed the same way, ratios and floors.
 
-Reference and torch.compile timings are taken first, then the candidate is imported (after the
-sandbox is armed) and timed in the same process, so the ratios compare like with like.
+The reference and torch.compile of it (with `emulate_precision_casts`, so it is the same
+function) are trusted and timed in this process with `time_callable`; the candidate is timed in
+its worker with `time_in_worker` (distinct inputs, new content before the timed replays, a
+sample of timed outputs judged, the worker's clock checked against the judge's). All use
+CUDA-graph replay over distinct input sets larger than the L2, so the ratios compare like with
+like. Input seeds come from a secret drawn per call.
 """
 
 from __future__ import annotations
@@ -11,23 +15,22 @@ from typing import Any
 
 import torch
 
-from .timing import Timing, floor_us, measure_ceilings, rotating_sets, time_callable
+from .plan import Secret
+from .timing import BenchRow, Timing, floor_us, git_commit, measure_ceilings, time_callable
 
-INPUT_SEED = 1000  # benchmark inputs never reuse verification seeds
 
-
-def _sets(c: Any, shape: dict, device: str):
-    return lambda n: rotating_sets(lambda k: c.make_inputs(shape, INPUT_SEED + k, device), n)
+def _sets(c: Any, shape: dict, device: str, secret: Secret):
+    return lambda n: [c.make_inputs(dict(shape), secret.seed(), device) for _ in range(n)]
 
 
 def _compiled(reference: Any) -> Any:
     import torch._inductor.config as inductor_config
 
-    # Without it Inductor drops the reference's intermediate BF16 casts (NUMERICS.md), and the
+    # Without it Inductor drops the reference's intermediate BF16 casts (docs/numerics.md), and the
     # baseline would be a different, faster function.
     inductor_config.emulate_precision_casts = True
-    # Python-int arguments (norm_residual_norm's add_index) differ between rotating input sets and
-    # each value compiles once; past dynamo's default recompile limit (8) it silently runs eager,
+    # Python-int arguments (norm_residual_norm's add_index) differ between input sets and each
+    # value compiles once; past dynamo's default recompile limit (8) it silently runs eager,
     # which on an H200 made the "compiled" baseline equal the reference at T >= 32.
     torch._dynamo.reset()
     for name in ("recompile_limit", "cache_size_limit"):
@@ -36,66 +39,87 @@ def _compiled(reference: Any) -> Any:
     return torch.compile(reference, dynamic=False)
 
 
-def _time_compile(c: Any, shape: dict, params: dict) -> tuple[Timing | None, str | None]:
-    if not params.get("compile", True):
+def _time_compile(c: Any, shape: dict, device: str, warmup: int, iters: int, secret: Secret,
+                  compile: bool) -> tuple[Timing | None, str | None]:
+    if not compile:
         return None, "torch.compile not timed (--no-compile)"
     try:
         fn = _compiled(c.reference)
-        return time_callable(fn, _sets(c, shape, params["device"]), device=params["device"],
-                             warmup=max(params["warmup"], 2), iters=params["iters"]), None
-    except Exception as e:  # recorded on the row; the other timings still count
+        return time_callable(fn, _sets(c, shape, device, secret), device=device,
+                             warmup=max(warmup, 2), iters=iters), None
+    except Exception as e:  # noqa: BLE001 - recorded on the row; the other timings still count
         torch._dynamo.reset()
         return None, f"torch.compile failed: {type(e).__name__}: {str(e)[:200]}"
 
 
-def run_bench(params: dict) -> list[dict]:
+def bench_op(op: str, variant_source: Path | None, shapes: list[dict], device: str, *,
+             warmup: int = 10, iters: int = 50, compile: bool = True,
+             config: dict | None = None, timeout_s: float = 600) -> list[BenchRow]:
+    """Time reference, torch.compile and the variant (if any) at `shapes`."""
     from model.ops import contract
 
-    from . import guards, sandbox
-    from .candidates import load_variant
+    from .run import tf32_off
+    from .screen import static_screen
     from .verify import run_env
 
-    device = params["device"]
-    c = contract(params["op"])
-    torch.backends.cuda.matmul.allow_tf32 = False
+    c = contract(op)
+    text = None
+    if variant_source is not None:
+        variant_source = Path(variant_source).resolve()
+        text = variant_source.read_bytes()
+        screen = static_screen(text.decode("utf-8", "replace"), str(variant_source))
+        if screen:
+            raise ValueError(f"refusing to time {variant_source}: " + "; ".join(screen))
+    secret = Secret()
     env = run_env(device)
-    ceilings = measure_ceilings(device)
-    base = []
-    for shape in params["shapes"]:
-        ref = time_callable(c.reference, _sets(c, shape, device), device=device,
-                            warmup=params["warmup"], iters=params["iters"])
-        comp, note = _time_compile(c, shape, params)
-        base.append((shape, ref, comp, note))
-    impl, cand = "reference", None
-    if params.get("source"):
-        snapshot = guards.snapshot_globals()
-        sandbox.arm(params["source"])
-        variant = load_variant(Path(params["source"]))
-        impl = variant.name
-        config = params.get("config")
+    env["git_commit"] = git_commit()
+    with tf32_off():
+        ceilings = measure_ceilings(device)
+        base = []
+        for shape in shapes:
+            ref = time_callable(c.reference, _sets(c, shape, device, secret), device=device,
+                                warmup=warmup, iters=iters)
+            comp, note = _time_compile(c, shape, device, warmup, iters, secret, compile)
+            base.append((dict(shape), ref, comp, note))
+        if text is None:
+            return [_row(c, "reference", s, r, r, comp, note, ceilings, env, device)
+                    for s, r, comp, note in base]
+        timings = _time_candidate(c, text, [b[0] for b in base], device, warmup, iters, config,
+                                  timeout_s, secret)
+    return [_row(c, variant_source.stem, s, t, r, comp, note, ceilings, env, device)
+            for (s, r, comp, note), t in zip(base, timings, strict=True)]
 
-        def cand(*a):
-            return variant.run(*a, config=config)
 
-    rows = []
-    for shape, ref, comp, note in base:
-        t = ref if cand is None else time_callable(
-            cand, _sets(c, shape, device), device=device, warmup=params["warmup"],
-            iters=params["iters"])
-        rows.append(_row(c, impl, shape, t, ref, comp, note, ceilings, env, params))
-    if cand is not None:
-        patched = guards.patched_globals(snapshot)
-        if patched:
-            raise RuntimeError(f"the variant monkeypatched {', '.join(patched[:5])}: "
-                               f"its timings are void")
-    blocked = sandbox.blocked_events()
+def _time_candidate(c: Any, text: bytes, shapes: list[dict], device: str, warmup: int,
+                    iters: int, config: dict | None, timeout_s: float,
+                    secret: Secret) -> list[Timing]:
+    from .channel import Worker, WorkerError
+    from .run import POISON_DTYPES, palette_bits, start_candidate
+    from .trials import Judge
+    from .verify import CPU_MEM_LIMIT
+
+    cuda = device.startswith("cuda")
+    with Worker(device, budget_s=timeout_s, mem_limit_bytes=None if cuda else CPU_MEM_LIMIT,
+                arena_bytes=64 << 20) as w:
+        try:
+            palettes = {dt: secret.palette(dt) for dt in POISON_DTYPES}
+            err = start_candidate(w, text, device, config, palettes, secret.seed())
+            if err:
+                raise RuntimeError(f"benchmark of {c.name} failed: {err}")
+            j = Judge(c, w, device, palette_bits(palettes))
+            from .timing import time_in_worker
+
+            out = [time_in_worker(j, s, secret, warmup=warmup, iters=iters) for s in shapes]
+            blocked = w.request({"cmd": "ping"})["blocked"]
+        except WorkerError as e:
+            raise RuntimeError(f"benchmark of {c.name} failed in its worker: {e}") from None
     if blocked:
         raise RuntimeError(f"the variant attempted blocked operations: {blocked[:3]}")
-    return rows
+    return out
 
 
-def _row(c, impl, shape, t: Timing, ref: Timing, comp: Timing | None, note, ceilings, env,
-         params) -> dict:
+def _row(c: Any, impl: str, shape: dict, t: Timing, ref: Timing, comp: Timing | None,
+         note: str | None, ceilings: Any, env: dict, device: str) -> BenchRow:
     from .guards import floor_violation
 
     floor = floor_us(c, shape, ceilings)
@@ -105,15 +129,13 @@ def _row(c, impl, shape, t: Timing, ref: Timing, comp: Timing | None, note, ceil
     why = floor_violation(t.median_us, floor) if meaningful else None
     if why:
         notes.append(why)
-    return {
-        "op": c.name, "impl": impl, "shape": dict(shape), "median_us": t.median_us,
-        "iqr_us": t.iqr_us, "reference_us": ref.median_us,
-        "compile_us": comp.median_us if comp else None,
-        "x_reference": ref.median_us / t.median_us,
-        "x_compile": comp.median_us / t.median_us if comp else None,
-        "gb_s": cost.bytes / (t.median_us * 1e-6) / 1e9,
-        "floor_us": floor, "pct_of_floor": 100.0 * floor / t.median_us,
-        "floor_ok": why is None, "meaningful": meaningful, "device": params["device"],
-        "gpu": env["gpu"], "torch": env["torch"], "triton": env["triton"],
-        "git_commit": params.get("git_commit"), "method": t.method, "notes": notes,
-    }
+    return BenchRow(
+        op=c.name, impl=impl, shape=dict(shape), median_us=t.median_us, iqr_us=t.iqr_us,
+        reference_us=ref.median_us, compile_us=comp.median_us if comp else None,
+        x_reference=ref.median_us / t.median_us,
+        x_compile=comp.median_us / t.median_us if comp else None,
+        gb_s=cost.bytes / (t.median_us * 1e-6) / 1e9, floor_us=floor,
+        pct_of_floor=100.0 * floor / t.median_us, floor_ok=why is None and t.valid,
+        meaningful=meaningful, device=device, gpu=env["gpu"], torch=env["torch"],
+        triton=env["triton"], git_commit=env.get("git_commit"), method=t.method, notes=notes,
+        valid=t.valid, wall_us=t.wall_us)

@@ -67,7 +67,8 @@ def load_variant(path: Path, *, module_name: str | None = None) -> Variant:
     The module is registered in `sys.modules` under a unique private name (dataclasses, pickling
     and Triton's source lookup want a module object to exist); `sys.path` is never changed.
     Raises ValueError when `run` is missing or `CONFIG_SPACE` is malformed, and lets the
-    variant's own import error propagate (the sandbox reports it).
+    variant's own import error propagate. For trusted code (the built-in templates, the
+    registry's loader); a candidate under judgement is loaded by its worker (worker.py).
     """
     path = Path(path).resolve()
     if not path.is_file():

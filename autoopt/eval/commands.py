@@ -21,6 +21,8 @@ class VerifyArgs:
     tokens: str | None
     timeout: float
     json: bool
+    target: str | None = None
+    secret: str | None = None
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,6 @@ def resolve_source(op: str, variant: str | None, source: Path | None,
 
 
 def verify_command(args: VerifyArgs, console: Console) -> int:
-    from .shapes import default_shapes
     from .verify import verify_variant
 
     device = resolve_device(args.device)
@@ -85,9 +86,22 @@ def verify_command(args: VerifyArgs, console: Console) -> int:
     if source is None:
         raise ValueError("autoopt verify needs --variant NAME or --source PATH")
     seeds = parse_ints(args.seeds, "--seeds") or [0, 1, 2]
-    shapes = default_shapes(args.op, device, parse_ints(args.tokens, "--tokens"))
-    report = verify_variant(args.op, source, device=device, seeds=seeds, shapes=shapes,
-                            timeout_s=args.timeout)
+    tokens = parse_ints(args.tokens, "--tokens")
+    shapes = None
+    if tokens:
+        from .plan import default_targets
+        from .shapes import target_shapes
+
+        targets = [_load_target(args.target)] if args.target else default_targets(device)
+        shapes = target_shapes(args.op, targets, tokens)
+    if args.secret:
+        try:
+            bytes.fromhex(args.secret)
+        except ValueError:
+            raise ValueError(f"--secret must be the hex string a report states, not "
+                             f"{args.secret!r}") from None
+    report = verify_variant(args.op, source, device=device, seeds=len(seeds), shapes=shapes,
+                            timeout_s=args.timeout, target=args.target, secret=args.secret)
     if args.json:
         print(report.to_json())
     else:
@@ -109,9 +123,15 @@ def print_report(report, console: Console) -> None:
         console.print(f"  near miss {name}: {d['status']}")
 
 
+def _load_target(name: str):
+    from autoopt.targets import load_target
+
+    return load_target(name)
+
+
 def bench_shapes(op: str, device: str, target: str | None, tokens: list[int] | None,
                  console: Console) -> list[dict]:
-    from .shapes import default_shapes, gpu_shapes
+    from .shapes import default_shapes, target_shapes
 
     if not target:
         return default_shapes(op, device, tokens or ([1, 8, 32, 128] if device != "cpu" else None))
@@ -123,7 +143,7 @@ def bench_shapes(op: str, device: str, target: str | None, tokens: list[int] | N
         return default_shapes(op, device, tokens)
     t = load_target(target)
     if tokens:
-        return gpu_shapes(op, tokens, preset=t.model, tp=t.tp)
+        return target_shapes(op, [t], tokens)
     shapes = [t.op_shapes(b)[op] for b in t.batch_sizes if op in t.op_shapes(b)]
     if not shapes:
         raise ValueError(f"target {target} has no {op} call; pick another op or target")

@@ -6,12 +6,18 @@ exact and NaN-aware. Integer outputs (expert ids) are compared exactly; the rout
 differ where the reference's own top-k boundary is an FP32 tie within ulp noise (see
 `router_tie_rows`).
 
+Every bound holds per shape and per output (the verifier keeps one `OutputStats` per pair), so
+a deviation confined to one shape (a near miss used only at T=1) is judged on that shape alone.
+A mismatch-fraction bound f over n elements admits `allowed_mismatches(n, f)`: f*n plus a
+Poisson margin, so honest rare noise on a small shape is not a failure while a systematic
+deviation is.
+
 How a `bitwise` op is judged on CPU: the Triton interpreter computes transcendental functions
-with numpy's libm and (triton 3.8+) truncates BF16 casts, so on CPU a bitwise op is judged as
-ulp(1 BF16 ulp, 1e-3 mismatch fraction) for BF16 outputs and ulp(2 FP32 ulps, 0.5) without the
-bias test for FP32 outputs (numpy's tanh differs from torch's in ~28% of FP32 values, by up to
-2 ulps after the cap multiply, biased toward larger magnitude). Near misses are judged the same
-everywhere. On cuda a bitwise op is judged strictly. The report's checks say which policy ran.
+with numpy (triton 3.9's differ from 3.6's) and truncates BF16 casts, so on CPU a bitwise op is
+judged as ulp(1 BF16 ulp, 1e-4) for BF16 outputs and ulp(1 FP32 ulp, 0.02) for FP32 outputs
+(logit_softcap's honest kernels differ from torch's CPU tanhf in ~0.6% of values by one unbiased
+FP32 ulp under triton 3.9's interpreter): what the interpreter needs, and no more. On cuda a
+bitwise op is judged strictly. The report's checks say which policy ran.
 """
 
 from __future__ import annotations
@@ -31,8 +37,20 @@ HIST_EDGES = ((0, "0"), (1, "1"), (2, "2"), (4, "3-4"), (16, "5-16"), (256, "17-
 BIAS_MIN_MISMATCHES = 16
 
 
+# What a bitwise op may differ by under the Triton interpreter on CPU: (max ulp, fraction).
+CPU_BITWISE_BF16 = (1, 1e-4)
+CPU_BITWISE_FP32 = (1, 0.02)
+
+
 def bias_bound(n: int) -> float:
     return 0.25 + 3.0 / math.sqrt(max(n, 1))
+
+
+def allowed_mismatches(n: int, fraction: float) -> int:
+    """Mismatches a fraction bound admits over n elements: the expectation plus a Poisson margin
+    (4 sigma + 1), so a bound holds per shape without failing honest rare noise."""
+    lam = fraction * n
+    return int(lam + 4.0 * math.sqrt(lam) + 1.0) if fraction > 0 else 0
 
 
 @dataclass(frozen=True)
@@ -61,12 +79,11 @@ def effective_policy(numerics: Any, dtype: torch.dtype, device: str) -> Policy:
     if device.startswith("cuda"):
         return Policy("bitwise", 0, 0.0, False, "strict on cuda")
     if dtype == torch.float32:
-        return Policy("ulp", 2, 0.5, False,
-                      "bitwise op judged on cpu: interpreter libm (numpy tanh/exp) differs from "
-                      "torch's by 1-2 FP32 ulps; judge strictly on cuda")
-    return Policy("ulp", 1, 1e-3, True,
-                  "bitwise op judged on cpu: Triton interpreter BF16 cast/libm noise; "
-                  "judge strictly on cuda")
+        return Policy("ulp", CPU_BITWISE_FP32[0], CPU_BITWISE_FP32[1], True,
+                      "bitwise op judged on cpu: interpreter libm (numpy) differs from torch's "
+                      "by an FP32 ulp; strict on cuda")
+    return Policy("ulp", CPU_BITWISE_BF16[0], CPU_BITWISE_BF16[1], True,
+                  "bitwise op judged on cpu: interpreter libm noise; strict on cuda")
 
 
 def ordered(t: torch.Tensor) -> torch.Tensor:
@@ -207,10 +224,11 @@ def judge(policy: Policy, stats: OutputStats, label: str) -> list[str]:
         over = s.mismatches - sum(s.exact.get(u, 0) for u in range(1, policy.max_ulp + 1))
         reasons.append(f"numerics: {label}: {over} elements > {policy.max_ulp} ulp, max "
                        f"{_ulp_text(s.max_ulp)} (policy {policy.describe()})")
-    if frac > policy.max_mismatch_fraction:
+    allowed = allowed_mismatches(s.elements, policy.max_mismatch_fraction)
+    if s.mismatches > allowed:
         reasons.append(f"numerics: {label}: mismatch fraction {frac:.3g} > "
-                       f"{policy.max_mismatch_fraction:g} ({s.mismatches} of {s.elements}; "
-                       f"policy {policy.describe()})")
+                       f"{policy.max_mismatch_fraction:g} ({s.mismatches} of {s.elements}, "
+                       f"{allowed} allowed; policy {policy.describe()})")
     if policy.judge_bias and s.mismatches >= BIAS_MIN_MISMATCHES:
         bound = bias_bound(s.mismatches)
         for name, total in (("signed", s.signed_sum), ("magnitude-signed", s.magnitude_sum)):

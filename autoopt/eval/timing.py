@@ -1,18 +1,23 @@
-"""The one timing harness: CUDA-graph replay over rotating inputs, median and IQR, floors.
+"""The one timing harness: CUDA-graph replay over distinct inputs, median and IQR, floors.
 
-`time_callable` warms a callable up, then on cuda captures many calls over rotating input sets
-(together larger than twice the L2, so every call reads from HBM) into one CUDA graph and times
-replays with CUDA events; each sample is one replay divided by the calls in it. On CPU it times
-single calls with a perf counter and labels the result not meaningful for speed.
+Two ways to time, one method:
+- `time_callable` times trusted code in this process (the reference, torch.compile of it, the
+  profiler's step, the built-in templates' tuning): it warms a callable up, then on cuda
+  captures many calls over distinct input sets (together larger than twice the L2, so every call
+  reads from HBM) into one CUDA graph and times replays with CUDA events; each sample is one
+  replay divided by the calls in it. On CPU it times single calls with a perf counter and labels
+  the result not meaningful for speed.
+- `time_in_worker` times a candidate in its worker (the same burst that verification samples):
+  distinct input sets, captured into a graph on cuda, then new content written into every set
+  and the outputs poisoned, then timed replays. The worker reports CUDA-event times; the judge
+  times the whole request with its own clock (minus a measured round trip) and believes the
+  worker's numbers only when they agree (`CLOCK_AGREEMENT`); a sample of the timed calls' outputs
+  is read back and judged against references of the new content. Timings that fail either check
+  are marked invalid, and a candidate faster than its floor is impossible.
 
-`bench_op` times the reference, `torch.compile` of the reference (with
-`emulate_precision_casts`, so it is the same function) and the candidate in one child process
-run, and reports ratios and the fraction of the op's floor (bytes and FLOPs over the ceilings
-that `measure_ceilings` measured once per GPU and cached).
-
-The timers are bound at import, before any candidate is loaded, so a candidate that replaced
-`time.perf_counter` or `torch.cuda.Event` would not change what the harness measures (the static
-screen and the sandbox's monkeypatch check reject such a candidate anyway).
+`measure_ceilings` measures copy bandwidth and matmul rates once per GPU (cached); `floor_us`
+is the op's bytes and FLOPs over them. `bench_op` (bench.py) times reference, torch.compile and
+the candidate and reports ratios and fractions of the floor.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import torch
 
 from autoopt.env import cache_dir
 
+from .trials import refill, shape_key
+
 _perf_counter = time.perf_counter
 _Event = torch.cuda.Event
 _CUDAGraph = torch.cuda.CUDAGraph
@@ -38,9 +45,16 @@ H200_L2_BYTES = 50 << 20
 # what matters is that no set is still cached when its turn comes).
 MAX_SETS = 4096
 CPU_MAX_SETS = 4
-DISTINCT_SETS = 8  # random sets made by the caller; the rest of the rotation are clones
+# Every set is distinct random data (no clones): a cache keyed by content cannot help. At least
+# this many, and no more bytes than SET_BYTES_CAP in all (huge inputs: fewer, at least 2).
+MIN_SETS = {"cuda": 8, "cpu": 3}
+SET_BYTES_CAP = {"cuda": 8 << 30, "cpu": 256 << 20}
 GRAPH_TARGET_US = 2000.0  # a replay long enough that launch and event overhead vanish
 MAX_CALLS_PER_GRAPH = 4096
+# The worker's own times must account for at least this fraction of the judge's wall clock
+# (minus the round trip), and not exceed it, when the request ran long enough to tell.
+CLOCK_AGREEMENT = (0.8, 1.05)
+MIN_CHECKED_WALL_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -48,11 +62,13 @@ class Timing:
     median_us: float
     iqr_us: float
     samples: list[float]
-    method: str  # "cuda-graph" | "cuda-events" | "cpu-perf-counter"
+    method: str  # "cuda-graph" | "cuda-events" | "cpu-perf-counter" (+ " in the worker")
     meaningful: bool
     n_sets: int = 1
     calls_per_sample: int = 1
     notes: tuple[str, ...] = ()
+    valid: bool = True  # False: the judge's checks failed (clock disagreement, wrong outputs)
+    wall_us: float | None = None  # per call, from the judge's own clock (worker timings)
 
 
 def tensor_bytes(args: Sequence[Any]) -> int:
@@ -66,14 +82,17 @@ def sets_needed(bytes_per_set: int, l2_bytes: int, max_sets: int = MAX_SETS) -> 
     return max(1, min(max_sets, math.ceil(2 * l2_bytes / bytes_per_set)))
 
 
-def rotating_sets(make_one: Callable[[int], tuple], n: int, distinct: int = 4) -> list[tuple]:
-    """n argument sets in distinct buffers: `distinct` random ones, the rest clones of them."""
-    base = [make_one(k) for k in range(min(n, distinct))]
-    out = list(base)
-    for k in range(len(base), n):
-        out.append(tuple(a.clone() if isinstance(a, torch.Tensor) else a
-                         for a in base[k % len(base)]))
-    return out
+def rotating_sets(make_one: Callable[[int], tuple], n: int) -> list[tuple]:
+    """n argument sets, each its own random data in its own buffers."""
+    return [make_one(k) for k in range(n)]
+
+
+def set_count(bytes_per_set: int, device: str) -> int:
+    """Distinct sets to time over: enough to span 2x the L2, at least MIN_SETS, within a cap."""
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    cap = MAX_SETS if kind == "cuda" else CPU_MAX_SETS
+    n = max(MIN_SETS[kind], sets_needed(bytes_per_set, _l2_bytes(device), cap))
+    return max(2, min(n, SET_BYTES_CAP[kind] // max(bytes_per_set, 1)))
 
 
 def _l2_bytes(device: str) -> int:
@@ -102,10 +121,8 @@ def time_callable(fn: Callable[..., Any],
     device = str(device)
     if callable(make_args_sets):
         first = list(make_args_sets(1))
-        cap = MAX_SETS if device.startswith("cuda") else CPU_MAX_SETS
-        n = sets_needed(tensor_bytes(first[0]), _l2_bytes(device), cap)
-        distinct = first + (list(make_args_sets(min(n, DISTINCT_SETS) - 1)) if n > 1 else [])
-        arg_sets = rotating_sets(lambda k: distinct[k], n, distinct=len(distinct))
+        n = set_count(tensor_bytes(first[0]), device)
+        arg_sets = first + (list(make_args_sets(n - 1)) if n > 1 else [])
     else:
         arg_sets = list(make_args_sets)
     if not arg_sets:
@@ -276,6 +293,10 @@ class BenchRow:
     git_commit: str | None
     method: str = ""
     notes: list[str] = field(default_factory=list)
+    # False when the judge's checks of the timing failed (worker clock disagreement, wrong
+    # outputs of timed calls); floor_ok is then False too, so a caller voids the row.
+    valid: bool = True
+    wall_us: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -297,29 +318,122 @@ def git_commit() -> str | None:
 def bench_op(op: str, variant_source: Path | None, shapes: list[dict], device: str, *,
              warmup: int = 10, iters: int = 50, compile: bool = True,
              config: dict | None = None, timeout_s: float = 600) -> list[BenchRow]:
-    """Time reference, torch.compile and the variant (if any) at `shapes`, in one child run."""
-    from model.ops import contract
+    """Time reference, torch.compile and the variant (if any) at `shapes` (see bench.py)."""
+    from .bench import bench_op as _bench_op
 
-    from .guards import static_screen
-    from .sandbox import run_child
-
-    contract(op)
-    if variant_source is not None:
-        variant_source = Path(variant_source).resolve()
-        screen = static_screen(variant_source.read_text(), str(variant_source))
-        if screen:
-            raise ValueError(f"refusing to time {variant_source}: " + "; ".join(screen))
-    params = {"op": op, "source": str(variant_source) if variant_source else None,
-              "shapes": [dict(s) for s in shapes], "device": device, "warmup": warmup,
-              "iters": iters, "compile": compile, "config": config, "git_commit": git_commit()}
-    child = run_child("bench", params, timeout_s=timeout_s, device=device, perturb=False)
-    if not child.ok or child.result is None:
-        raise RuntimeError(f"benchmark of {op} failed in the sandbox: {child.error}")
-    return [BenchRow(**row) for row in child.result["rows"]]
+    return _bench_op(op, variant_source, shapes, device, warmup=warmup, iters=iters,
+                     compile=compile, config=config, timeout_s=timeout_s)
 
 
-def bench_job(params: dict) -> dict:
-    """Runs in the sandbox child; see `bench_op`."""
-    from .bench import run_bench
+# ---- timing a candidate in its worker ------------------------------------------------------
 
-    return {"rows": run_bench(params)}
+def time_in_worker(j: Any, shape: dict, secret: Any, *, warmup: int = 3,
+                   iters: int = 20) -> Timing:
+    """Time the candidate held by judge `j`'s worker at `shape`; checked by the judge."""
+    c, w, device = j.c, j.w, j.device
+    cuda = device.startswith("cuda")
+    sets = [c.make_inputs(dict(shape), secret.seed(), device)]
+    n = set_count(tensor_bytes(sets[0]), device)
+    sets += [c.make_inputs(dict(shape), secret.seed(), device) for _ in range(n - 1)]
+    handles = [j.put(a) for a in sets]
+    setup = j._checked(w.request({"cmd": "burst_setup", "handles": handles, "reps": 1,
+                                  "warmup": warmup, "graph": cuda}))
+    notes = [setup["note"]] if setup.get("note") else []
+    if "raised" in setup:
+        raise RuntimeError(f"the candidate raised while being timed: {setup['raised']}")
+    probe = j._checked(w.request({"cmd": "burst_run", "replays": 3}))
+    per_replay_us = statistics.median(probe["samples_s"]) * 1e6
+    reps = 1
+    if cuda and setup.get("graph"):
+        reps = max(1, min(MAX_CALLS_PER_GRAPH // n, math.ceil(GRAPH_TARGET_US /
+                                                              max(per_replay_us, 1e-3))))
+        if reps > 1:
+            j._checked(w.request({"cmd": "burst_setup", "handles": handles, "reps": reps,
+                                  "warmup": 1, "graph": True}))
+    new = [refill(old, c.make_inputs(dict(shape), secret.seed(), device)) for old in sets]
+    for h, old, fresh_args in zip(handles, sets, new, strict=True):
+        for i, (a, b) in enumerate(zip(old, fresh_args, strict=True)):
+            if a is not b and isinstance(a, torch.Tensor):
+                j.write(h, i, b)
+    w.request({"cmd": "burst_poison"})
+    rtt = w.rtt_s()
+    t0 = _perf_counter()
+    run = j._checked(w.request({"cmd": "burst_run", "replays": max(iters, 1)}))
+    wall = max(_perf_counter() - t0 - rtt, 0.0)
+    if "raised" in run:
+        raise RuntimeError(f"the candidate raised while being timed: {run['raised']}")
+    calls = int(run["calls_per_sample"])
+    samples = [x * 1e6 / calls for x in run["samples_s"]]
+    valid, more = _clock_check(sum(run["samples_s"]), wall)
+    notes += more
+    wrong = _timed_outputs_wrong(j, shape, handles, new, secret)
+    if wrong:
+        valid = False
+        notes.append(wrong)
+    j.drop(handles, burst=True)
+    med, iqr = _summary(samples)
+    method = ("cuda-graph" if setup.get("graph") else "cuda-events" if cuda else
+              "cpu-perf-counter") + " in the worker"
+    if not cuda:
+        notes.append("cpu: not meaningful for speed")
+    return Timing(med, iqr, samples, method, cuda, n, calls, tuple(notes), valid,
+                  wall / (max(iters, 1) * calls) * 1e6)
+
+
+def _clock_check(claimed_s: float, wall_s: float) -> tuple[bool, list[str]]:
+    if wall_s < MIN_CHECKED_WALL_S:
+        return True, []
+    ratio = claimed_s / wall_s
+    lo, hi = CLOCK_AGREEMENT
+    if lo <= ratio <= hi:
+        return True, []
+    return False, [f"timing void: the worker's times ({claimed_s * 1e3:.2f} ms) disagree with the "
+                   f"judge's clock ({wall_s * 1e3:.2f} ms, ratio {ratio:.2f}, allowed {lo}-{hi})"]
+
+
+def _timed_outputs_wrong(j: Any, shape: dict, handles: list, new: list, secret: Any) -> str:
+    """Read back a sample of the timed calls' outputs and judge them against the references."""
+    from . import wire
+    from .numerics import effective_policy, judge
+
+    k_all = list(range(len(handles)))
+    sample = secret.rng.sample(k_all, min(4, len(k_all)))
+    refs = [j.reference(new[k]) for k in sample]
+    expect = [j.expect(r) for r in refs]
+    j.w.ensure(sum(wire.aligned(t.numel() * t.element_size()) for r in refs for t in r) + 8192)
+    reply = j._checked(j.w.request({"cmd": "burst_export", "indices": sample, "expect": expect,
+                                    "region": {"off": 0, "cap": j.w.arena.size}}))
+    key = "timed " + shape_key(shape)
+    for k, ref, exp, descs in zip(sample, refs, expect, reply["data"], strict=True):
+        outs = j.w.unpack(descs, exp)
+        if any(o is None for o in outs):
+            return f"timing void: timed call {k} returned no well-formed outputs"
+        j.record(key, new[k], tuple(o.to(j.device) for o in outs), ref)
+    for i in range(len(refs[0]) if refs else 0):
+        stats = j.stats.get((key, i))
+        policy = effective_policy(j.c.numerics, j.dtypes[i], j.device)
+        failed = judge(policy, stats, f"output {i} of timed calls at {shape_key(shape)}")
+        if failed:
+            return "timing void: " + failed[0]
+    return ""
+
+
+def floor_check(j: Any, plan: Any, secret: Any, checks: dict) -> list[str]:
+    """Time the candidate at the plan's largest bucket; impossible speed or void timing fail."""
+    from .guards import floor_violation
+
+    shape = max(plan.buckets, key=lambda s: j.c.cost(s).bytes)
+    try:
+        timing = time_in_worker(j, shape, secret, warmup=3, iters=20)
+    except RuntimeError as e:
+        checks["floor"] = {"passed": False, "shape": shape, "error": str(e)}
+        return [f"timing: {e}"]
+    ceilings = measure_ceilings(j.device)
+    floor = floor_us(j.c, shape, ceilings)
+    why = floor_violation(timing.median_us, floor)
+    reasons = ([why] if why else []) + [f"timing: {n}" for n in timing.notes
+                                        if n.startswith("timing void")]
+    checks["floor"] = {"passed": not reasons, "shape": shape, "median_us": timing.median_us,
+                       "wall_us": timing.wall_us, "floor_us": floor, "gpu": ceilings.gpu,
+                       "method": timing.method, "sets": timing.n_sets, "notes": list(timing.notes)}
+    return reasons

@@ -24,8 +24,8 @@ LANGUAGE = "torch"
 CONFIG_SPACE: dict = {}
 DEFAULT_CONFIG: dict = {}
 
-# F.grouped_mm where this torch has it, torch._grouped_mm (the same op) otherwise.
-_grouped_mm = F.grouped_mm if hasattr(F, "grouped_mm") else torch._grouped_mm
+# torch's public grouped GEMM (torch >= 2.10; the registry records the torch it was verified on).
+_grouped_mm = F.grouped_mm
 
 
 def _check(x, gate_up, down, weights, ids) -> None:
@@ -54,6 +54,29 @@ def sort_pairs(ids: torch.Tensor, e: int, offset: int) -> tuple:
     return order, held, counts[:e].cumsum(0, dtype=torch.int32)
 
 
+def _pad_to(n: int, multiple: int = 8) -> int:
+    return -(-n // multiple) * multiple
+
+
+def aligned(x, gate_up, down) -> tuple:
+    """grouped_mm needs 16-byte strides (8 BF16 elements). Real widths (H=5120, I=320) already
+    are; other widths get zero padding, which adds exact zeros to every FP32 sum (the same
+    numbers), at the cost of a copy of the weights."""
+    h, i = x.shape[1], down.shape[2]
+    hp, ip = _pad_to(h), _pad_to(i)
+    if (hp, ip) == (h, i):
+        return x, gate_up, down
+    e = gate_up.shape[0]
+    xp = x.new_zeros(x.shape[0], hp)
+    xp[:, :h] = x
+    gup = gate_up.new_zeros(e, 2 * ip, hp)
+    gup[:, :i, :h] = gate_up[:, :i]
+    gup[:, ip:ip + i, :h] = gate_up[:, i:]
+    dp = down.new_zeros(e, hp, ip)
+    dp[:, :h, :i] = down
+    return xp, gup, dp
+
+
 def run(x, gate_up, down, weights, ids, scale: float, expert_offset: int = 0,
         config: dict | None = None) -> torch.Tensor:
     """moe_experts(x[T,H], gate_up[E,2I,H], down[E,H,I], weights[T,k] fp32, ids[T,k], scale,
@@ -64,13 +87,14 @@ def run(x, gate_up, down, weights, ids, scale: float, expert_offset: int = 0,
     if t * k == 0 or e == 0:
         return torch.zeros_like(x)
     order, held, offs = sort_pairs(ids, e, int(expert_offset))
-    xs = x[order // k]  # [T*k, H], grouped by expert
+    xa, gate_up, down = aligned(x, gate_up, down)
+    xs = xa[order // k]  # [T*k, H], grouped by expert
     gu = _grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # [T*k, 2I]
     inter = gu.shape[1] // 2
     act = (F.silu(gu[:, :inter].float()) * gu[:, inter:].float()).to(x.dtype)
     d = _grouped_mm(act, down.transpose(1, 2), offs=offs)
     # Rows past offs[-1] (experts held elsewhere) are left unwritten by grouped_mm: zero them.
     d = torch.where(held[order][:, None], d, torch.zeros((), dtype=d.dtype, device=d.device))
-    slots = torch.empty_like(d).index_copy_(0, order, d).view(t, k, h)
+    slots = torch.empty_like(d).index_copy_(0, order, d)[:, :h].reshape(t, k, h)
     # BF16 d_k times FP32 w_k promotes to FP32; torch's dim-1 sum; one rounding; then x scale.
     return (slots * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype) * scale

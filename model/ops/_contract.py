@@ -7,6 +7,24 @@ are inputs updated in place, such as the KV cache the Q/K norm ops write: output
 argument's name; the verifier compares them as outputs and requires them to be those inputs).
 The model, the verifier, the benchmarks and the agents all read the same module, so there is
 exactly one reference per operation.
+
+Test shapes (what the verifier runs; see `TestShapes`). An op module declares:
+    CPU_DIMS      required: the fixed (non-token) dimensions used on CPU, where Triton kernels run
+                  through the interpreter: narrow, but keeping every structural feature (GQA,
+                  head_dim 128, the router's 8 groups of 32 experts).
+    TOKEN_RANGE   optional: {"cpu": (lo, hi), "gpu": (lo, hi)}, the token counts the verifier may
+                  draw (default `DEFAULT_TOKEN_RANGE`; lower the CPU bound when the reference or
+                  an interpreted kernel is slow per token).
+    CPU_FREE_DIMS optional: {dim: (lo, hi)}: CPU widths the verifier may also draw, so a kernel
+                  cannot be honest at CPU_DIMS alone (GPU widths always come from the target).
+    EDGE_SCALES   optional: {case name: {argument index: power-of-two factor}}: floating inputs
+                  scaled to extreme magnitudes where the reference is still finite and defined
+                  (a dropped eps shows at tiny inputs, an overflowing square at huge ones).
+    test_shapes   optional: test_shapes(cfg, shard, tokens, kind) -> [shape, ...] overriding the
+                  default (`default_test_shapes`): one shape from CPU_DIMS on "cpu", the op's
+                  `shapes_for` at the target's config and shard on "gpu".
+Zero rows (T = 0) are always tried: where `make_inputs` and the reference run there, the contract
+defines the answer (an empty output) and a candidate must give it.
 """
 
 from __future__ import annotations
@@ -20,6 +38,8 @@ from typing import Any
 import torch
 
 Shape = Mapping[str, int]
+KINDS = ("cpu", "gpu")
+DEFAULT_TOKEN_RANGE: Mapping[str, tuple[int, int]] = {"cpu": (1, 512), "gpu": (1, 8192)}
 
 
 @dataclass(frozen=True)
@@ -62,6 +82,82 @@ class Cost:
 
 
 @dataclass(frozen=True)
+class EdgeCase:
+    """An input the contract defines the answer for beyond plain random data: `shape` with the
+    floating inputs at `scales` (argument index -> factor) multiplied by their factor."""
+
+    name: str
+    shape: Mapping[str, int]
+    scales: Mapping[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for i, f in self.scales.items():
+            if not (isinstance(i, int) and i >= 0 and f > 0):
+                raise ValueError(f"edge case {self.name!r}: scales must map argument indices to "
+                                 f"positive factors, got {dict(self.scales)}")
+
+    def inputs(self, make_inputs: Callable[..., tuple], seed: int, device: Any) -> tuple:
+        args = list(make_inputs(dict(self.shape), seed, device))
+        for i, factor in self.scales.items():
+            a = args[i]
+            if isinstance(a, torch.Tensor) and a.dtype.is_floating_point:
+                args[i] = (a.float() * factor).to(a.dtype)
+        return tuple(args)
+
+
+@dataclass(frozen=True)
+class TestShapes:
+    """What the verifier may run an op at (collected from the op module; see the docstring)."""
+
+    __test__ = False  # not a pytest class
+    cpu_dims: Mapping[str, int]
+    token_range: Mapping[str, tuple[int, int]]
+    edge_scales: Mapping[str, Mapping[int, float]]
+    shapes: Callable[..., list[dict[str, int]]]
+    cpu_free_dims: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for kind in KINDS:
+            lo, hi = self.token_range[kind]
+            if not 1 <= lo <= hi:
+                raise ValueError(f"TOKEN_RANGE[{kind!r}] must be 1 <= lo <= hi, got {(lo, hi)}")
+
+    def at(self, cfg: Any, shard: Any, tokens: int, kind: str) -> list[dict[str, int]]:
+        """Shapes at `tokens` for `kind` ("cpu": CPU_DIMS; "gpu": the config and shard)."""
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
+        return [dict(s) for s in self.shapes(cfg, shard, tokens, kind)]
+
+    def vary(self, shape: Shape, draw: Callable[[int, int], int]) -> dict[str, int]:
+        """`shape` with each CPU_FREE_DIMS width redrawn by `draw(lo, hi)` (CPU shapes only)."""
+        out = dict(shape)
+        for dim, (lo, hi) in self.cpu_free_dims.items():
+            if dim in out:
+                out[dim] = draw(lo, hi)
+        return out
+
+    def edge_cases(self, shape: Shape) -> list[EdgeCase]:
+        """Zero rows at `shape`, and every declared magnitude case at `shape`."""
+        cases = [EdgeCase("zero_rows", {**shape, "T": 0})]
+        cases += [EdgeCase(name, dict(shape), dict(sc)) for name, sc in self.edge_scales.items()]
+        return cases
+
+
+def default_test_shapes(module: ModuleType) -> Callable[..., list[dict[str, int]]]:
+    def shapes(cfg: Any, shard: Any, tokens: int, kind: str) -> list[dict[str, int]]:
+        if kind == "cpu":
+            dims = getattr(module, "CPU_DIMS", None)
+            if not dims:
+                raise ValueError(f"op {module.NAME!r} declares no CPU_DIMS in {module.__name__}: "
+                                 "add the fixed dimensions to verify it on CPU (see "
+                                 "model/ops/_contract.py)")
+            return [{"T": tokens, **dims}]
+        return [dict(module.shapes_for(cfg, tokens, shard))]
+
+    return shapes
+
+
+@dataclass(frozen=True)
 class OpContract:
     name: str
     reference: Callable[..., Any]
@@ -72,6 +168,7 @@ class OpContract:
     signature: str
     shapes_for: Callable[..., dict[str, int]]
     module: ModuleType
+    tests: TestShapes = field(default=None)  # type: ignore[assignment]  # set by from_module
     inplace: Mapping[int, str] = field(default_factory=dict)
 
     @property
@@ -94,6 +191,13 @@ class OpContract:
             signature=module.SIGNATURE,
             shapes_for=module.shapes_for,
             module=module,
+            tests=TestShapes(
+                cpu_dims=dict(getattr(module, "CPU_DIMS", {})),
+                token_range={**DEFAULT_TOKEN_RANGE, **getattr(module, "TOKEN_RANGE", {})},
+                edge_scales=dict(getattr(module, "EDGE_SCALES", {})),
+                shapes=getattr(module, "test_shapes", None) or default_test_shapes(module),
+                cpu_free_dims=dict(getattr(module, "CPU_FREE_DIMS", {})),
+            ),
             inplace=dict(getattr(module, "INPLACE", {})),
         )
 

@@ -41,6 +41,12 @@ AXES = {
     "add_index": "2..105 (depth)",
 }
 
+# Test shapes (model/ops/_contract.py "Test shapes"): see `test_shapes` below.
+CPU_DIMS = {"H": 320}
+CPU_FREE_DIMS = {"H": (8, 640)}
+TOKEN_RANGE = {"cpu": (1, 128)}
+EDGE_SCALES = {"tiny": {0: 2.0**-40, 1: 2.0**-40}, "huge": {0: 2.0**40, 1: 2.0**40}}
+
 
 def rank_sum(partials: torch.Tensor) -> torch.Tensor:
     """bf(((f32(p_0) + f32(p_1)) + f32(p_2)) + ...): FP32 in rank order, rounded once."""
@@ -135,3 +141,11 @@ def shapes_for(cfg, tokens: int, shard=None) -> dict[str, int]:
     # The op exists only under TP; without a shard view the smallest TP layout (2) is used.
     ranks = shard.tp if shard is not None and shard.tp > 1 else 2
     return {"R": ranks, "T": tokens, "H": cfg.hidden_size}
+
+
+def test_shapes(cfg, shard, tokens: int, kind: str) -> list[dict[str, int]]:
+    """CPU: 2 ranks (one rounded pair sum), 3 and 8 (where per-step rounding shows), chosen by
+    the token count; GPU: the target's TP degree."""
+    if kind == "cpu":
+        return [{"R": (2, 3, 8)[tokens % 3], "T": tokens, **CPU_DIMS}]
+    return [shapes_for(cfg, tokens, shard)]

@@ -31,6 +31,13 @@ AXES = {
     "k": "top-k",
 }
 
+# Test shapes (model/ops/_contract.py "Test shapes"). The reference loops over experts in
+# Python: few tokens on CPU.
+CPU_DIMS = {"H": 320, "E": 16, "I": 64, "k": 8}
+CPU_FREE_DIMS = {"H": (8, 512), "I": (8, 128)}
+TOKEN_RANGE = {"cpu": (1, 24)}
+EDGE_SCALES = {"tiny": {0: 2.0**-30}, "huge": {0: 2.0**20}}
+
 
 def expert_slots(x, gate_up, down, ids, expert_offset: int = 0) -> torch.Tensor:
     """[T, k, H] BF16 expert outputs d_k per (token, slot); zero for experts not held here."""

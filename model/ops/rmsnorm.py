@@ -14,6 +14,11 @@ from ._contract import Cost, Numerics, Shape, gen, norm_weight, randn
 NAME = "rmsnorm"
 SIGNATURE = "rmsnorm(x[T,H] bf16, weight[H] bf16, eps: float) -> [T,H] bf16"
 AXES = {"T": "tokens (varies)", "H": "hidden size (config)"}
+# Test shapes (model/ops/_contract.py "Test shapes").
+CPU_DIMS = {"H": 320}
+CPU_FREE_DIMS = {"H": (8, 1024)}
+# Tiny rows make eps matter (mean(x^2) far below it); huge ones test an FP32 square.
+EDGE_SCALES = {"tiny": {0: 2.0**-40}, "huge": {0: 2.0**40}}
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

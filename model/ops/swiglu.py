@@ -14,6 +14,11 @@ from ._contract import Cost, Numerics, Shape, gen, randn
 NAME = "swiglu"
 SIGNATURE = "swiglu(gate[T,I] bf16, up[T,I] bf16) -> [T,I] bf16"
 AXES = {"T": "tokens (varies)", "I": "intermediate size per rank (config/TP)"}
+# Test shapes (model/ops/_contract.py "Test shapes").
+CPU_DIMS = {"I": 320}
+CPU_FREE_DIMS = {"I": (8, 1024)}
+# Huge up with a saturated gate stays finite in FP32 (|silu(g)| <= 16, |up| ~ 2^60).
+EDGE_SCALES = {"tiny": {0: 2.0**-40, 1: 2.0**-40}, "huge": {0: 2.0**3, 1: 2.0**60}}
 
 
 def reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -54,3 +59,10 @@ def shapes_for(cfg, tokens: int, shard=None, moe: bool = False) -> dict[str, int
         return {"T": tokens * cfg.num_experts_per_tok, "I": inter}
     inter = shard.intermediate_size if shard else cfg.intermediate_size
     return {"T": tokens, "I": inter}
+
+
+def test_shapes(cfg, shard, tokens: int, kind: str) -> list[dict[str, int]]:
+    """CPU: CPU_DIMS; GPU: both uses, the dense MLP and inside the experts (T*k rows)."""
+    if kind == "cpu":
+        return [{"T": tokens, **CPU_DIMS}]
+    return [shapes_for(cfg, tokens, shard), shapes_for(cfg, tokens, shard, moe=True)]

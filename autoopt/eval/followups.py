@@ -1,0 +1,213 @@
+"""Follow-up calls on a case, and the verification burst (see trials.py for the first call).
+
+Each follow-up compares the candidate with itself or with a fresh reference:
+    repeat        same content in new buffers: the outputs must be bitwise the first call's;
+    same_buffers  new content written into the first call's buffers: the outputs must follow
+                  (a cache keyed by data pointer returns the old ones);
+    one_element   one element of one floating input changed, in new buffers: the outputs must
+                  follow (a cache keyed by a sample of the content returns the old ones);
+    dependence    one input replaced wholly: outputs that ignore it do not change;
+    shuffled      on CPU, the Triton interpreter runs the kernel's programs in a random order:
+                  a result that depends on program order is a cross-program race;
+    recheck       the first call's outputs read again after later calls: a buffer the op reuses
+                  for its next result changes them.
+The burst calls the candidate over many distinct input sets the way timing does (a CUDA graph on
+a GPU), writes new content into every set, poisons the burst's outputs and checks a sample.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import wire
+from .numerics import bits_equal, mismatch_count
+from .trials import Case, Judge, refill, shape_key
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return mismatch_count(a, b) == 0
+
+
+def repeat(j: Judge, case: Case) -> None:
+    where = f"at {case.key} (seed {case.seed})"
+    h = j.put(case.args)
+    outs = j.call(h, case.ref, where)
+    j.drop([h], [j.last_out_id] if outs is not None else [])
+    if outs is not None and (n := mismatch_count(outs, case.first)):
+        j.findings.add("determinism", f"nondeterministic: two runs differ in {n} elements "
+                                      f"{where}")
+
+
+def same_buffers(j: Judge, case: Case) -> None:
+    where = f"at {case.key} (seed {case.seed})"
+    alt = j.alt_args(case)
+    for i, (a, b) in enumerate(zip(case.args, alt, strict=True)):
+        if isinstance(a, torch.Tensor):
+            j.write(case.handle, i, b)
+    ref = j.reference(alt)
+    outs = j.call(case.handle, ref, where)
+    if outs is None:
+        return
+    j.drop([], [j.last_out_id])
+    if not _same(ref, case.ref) and _same(outs, case.first):
+        j.findings.add("pointer_cache", "caches outputs by data pointer: outputs did not follow "
+                                        f"new data in the same buffers {where}")
+    else:
+        j.record(case.key, alt, outs, ref)
+    for i, a in enumerate(case.args):  # the case's buffers hold its own data again
+        if isinstance(a, torch.Tensor):
+            j.write(case.handle, i, a)
+
+
+def changing_inputs(j: Judge, case: Case) -> list[int]:
+    """Tensor inputs whose replacement changes the reference's outputs."""
+    alt = j.alt_args(case)
+    out = []
+    for i, (a, b) in enumerate(zip(case.args, alt, strict=True)):
+        if isinstance(a, torch.Tensor) and a is not b:
+            p = list(case.args)
+            p[i] = b
+            if not _same(j.reference(tuple(p)), case.ref):
+                out.append(i)
+    return out
+
+
+def dependence(j: Judge, case: Case, i: int) -> None:
+    where = f"at {case.key} (seed {case.seed})"
+    p = list(case.args)
+    p[i] = j.alt_args(case)[i]
+    ref = j.reference(tuple(p))
+    h = j.put(tuple(p))
+    outs = j.call(h, ref, where)
+    j.drop([h], [j.last_out_id] if outs is not None else [])
+    if outs is None:
+        return
+    if _same(outs, case.first):
+        j.findings.add(f"dependence_{i}", f"not input dependent: output unchanged when input "
+                                          f"{j._name(i)} changed {where}")
+    else:
+        j.record(case.key, tuple(p), outs, ref)
+
+
+def one_element(j: Judge, case: Case, i: int, rng: Any) -> None:
+    """Change one element of floating input i (where the reference notices) and call again."""
+    a = case.args[i]
+    if not (isinstance(a, torch.Tensor) and a.dtype.is_floating_point and a.numel()):
+        return
+    alt = j.alt_args(case)[i]
+    for _ in range(4):
+        k = rng.randrange(a.numel())
+        changed = a.clone()
+        flat = changed.view(-1)
+        new = alt.reshape(-1)[k]
+        flat[k] = new if not bool(bits_equal(new, flat[k])) else flat[k] * 2 + 1
+        p = list(case.args)
+        p[i] = changed
+        ref = j.reference(tuple(p))
+        if not _same(ref, case.ref):
+            break
+    else:
+        return  # no element of this input moved the reference (masked or saturated)
+    where = f"at {case.key} (seed {case.seed}, input {j._name(i)} element {k} changed)"
+    h = j.put(tuple(p))
+    outs = j.call(h, ref, where)
+    j.drop([h], [j.last_out_id] if outs is not None else [])
+    if outs is None:
+        return
+    if _same(outs, case.first):
+        j.findings.add("content_cache", "caches outputs by content: outputs did not follow a "
+                                        f"one-element change of the input {where}")
+    else:
+        j.record(case.key, tuple(p), outs, ref)
+
+
+def shuffled(j: Judge, case: Case, order: str) -> None:
+    """A natural-order call, then one with the programs in `order`: a difference that only the
+    shuffled call shows is a race; one the natural call shows too is plain nondeterminism."""
+    where = f"at {case.key} (seed {case.seed}, programs in {order} order)"
+    natural = j.call(case.handle, case.ref, where)
+    if natural is None:
+        return
+    j.drop([], [j.last_out_id])
+    outs = j.call(case.handle, case.ref, where, order=order)
+    if outs is None:
+        return
+    j.drop([], [j.last_out_id])
+    n_natural, n = mismatch_count(natural, case.first), mismatch_count(outs, case.first)
+    if n and not n_natural and j.last_reply.get("permuted_launches"):
+        j.findings.add("races", f"races: the result depends on the order of the kernel's "
+                                f"programs ({n} elements differ) {where}: a cross-program race")
+    elif n or n_natural:
+        j.findings.add("determinism", f"nondeterministic: two runs differ in "
+                                      f"{max(n, n_natural)} elements {where}")
+
+
+def recheck(j: Judge, case: Case) -> None:
+    where = f"at {case.key} (seed {case.seed})"
+    expect = j.expect(case.ref)
+    reply = j._checked(j.w.request({"cmd": "export", "out": case.out_id, "expect": expect,
+                                    "region": {"off": 0, "cap": j.w.arena.size}}))
+    now = j.w.unpack(reply["data"], expect)
+    for i, (a, b) in enumerate(zip(now, case.first, strict=True)):
+        if i in j.inplace:
+            continue  # the input buffer itself: later calls on the case rewrite it by design
+        if a is None or not bool(bits_equal(a.to(b.device), b).all()):
+            j.findings.add("stay_put", f"outputs changed after later calls: output {i} of the "
+                                       f"call {where} was overwritten (a buffer the op reuses)")
+            break
+    j.drop([], [case.out_id])
+
+
+def burst(j: Judge, shape: dict, seeds: list[int], reps: int, samples: list[int]) -> dict:
+    """Many calls over distinct sets (a graph on cuda); refresh; poison; replay; check."""
+    key = "burst " + shape_key(shape)
+    where = f"in a burst of {len(seeds)} input sets x {reps} at {shape_key(shape)}"
+    sets = [j.c.make_inputs(dict(shape), s, j.device) for s in seeds]
+    handles = [j.put(a) for a in sets]
+    reply = j._checked(j.w.request({"cmd": "burst_setup", "handles": handles, "reps": reps,
+                                    "warmup": 1, "graph": True}))
+    info = {"graph": reply.get("graph"), "note": reply.get("note"), "sets": len(seeds)}
+    if "raised" in reply:
+        j.findings.add("raised", f"candidate raised {reply['raised']} {where}")
+        j.drop(handles)
+        return info
+    fresh_sets = [refill(old, j.c.make_inputs(dict(shape), s + 2 * 7919, j.device))
+                  for old, s in zip(sets, seeds, strict=True)]
+    for h, old, new in zip(handles, sets, fresh_sets, strict=True):
+        for i, (a, b) in enumerate(zip(old, new, strict=True)):
+            if a is not b and isinstance(a, torch.Tensor):
+                j.write(h, i, b)
+    j.w.request({"cmd": "burst_poison"})
+    run = j._checked(j.w.request({"cmd": "burst_run", "replays": 1}))
+    if "raised" in run:
+        j.findings.add("raised", f"candidate raised {run['raised']} {where}")
+        j.drop(handles, burst=True)
+        return info
+    _check_burst_outputs(j, key, where, handles, sets, fresh_sets, samples)
+    j.calls += run.get("calls_per_sample", 0)
+    j.drop(handles, burst=True)
+    return info
+
+
+def _check_burst_outputs(j: Judge, key: str, where: str, handles: list[int], old: list,
+                         new: list, samples: list[int]) -> None:
+    refs = [j.reference(new[k]) for k in samples]
+    expect = [j.expect(r) for r in refs]
+    j.w.ensure(sum(wire.aligned(t.numel() * t.element_size()) for r in refs for t in r) + 8192)
+    reply = j._checked(j.w.request({"cmd": "burst_export", "indices": samples, "expect": expect,
+                                    "region": {"off": 0, "cap": j.w.arena.size}}))
+    for k, ref, exp, descs in zip(samples, refs, expect, reply["data"], strict=True):
+        outs = j.w.unpack(descs, exp)
+        if any(o is None for o in outs):
+            j.findings.add("burst", f"burst: call {k} returned no well-formed outputs {where}")
+            continue
+        outs = tuple(o.to(j.device) for o in outs)
+        stale = j.reference(old[k])
+        if not _same(stale, ref) and _same(outs, stale):
+            j.findings.add("burst", f"burst: outputs of replayed calls did not follow new "
+                                    f"inputs (cached, not recomputed) {where}")
+            continue
+        j._written(outs, ref, where)
+        j.record(key, new[k], outs, ref)

@@ -1,0 +1,149 @@
+"""The judge's side of one verification: start the worker, run the session, judge, clean up.
+
+Called by `verify.verify_variant` after the static screen and the plan. The references are
+computed with TF32 off (docs/numerics.md: FP32 GEMMs are FP32) and the setting is restored after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets as _secrets
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from autoopt.env import REPO_ROOT
+
+from .channel import Worker, WorkerError
+from .judgement import judge_near_misses, judge_numerics
+from .plan import Budget, Secret, ShapePlan
+from .session import build_steps, run_steps
+from .trials import Judge
+
+POISON_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.int32)
+
+
+@contextlib.contextmanager
+def tf32_off() -> Iterator[None]:
+    m, c = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = m, c
+
+
+def start_candidate(w: Worker, text: bytes, device: str, config: dict | None,
+                    palettes: dict[torch.dtype, torch.Tensor], seed: int) -> str | None:
+    """Load the screened bytes (a private copy) in the worker; the import error, if any."""
+    from .verify import preloads, worker_imports
+
+    path = w.tmp / f"variant_{_secrets.token_hex(6)}.py"
+    path.write_bytes(text)
+    reply = w.request({"cmd": "load", "device": device, "path": str(path),
+                       "module": f"_variant_{_secrets.token_hex(6)}", "config": config,
+                       "preload": preloads(text.decode("utf-8", "replace")),
+                       "repo_root": str(REPO_ROOT), "imports": worker_imports(),
+                       "rng_seed": _secrets.randbits(62)})
+    if "error" in reply:
+        return f"worker could not load the variant: {reply['error']}"
+    if "import_error" in reply:
+        return f"import failed: {reply['import_error']}"
+    names = [str(dt).removeprefix("torch.") for dt in palettes]
+    descs = w.pack(list(palettes.values()))
+    w.request({"cmd": "palette", "palettes": dict(zip(names, descs, strict=True)),
+               "seed": seed})
+    return None
+
+
+def palette_bits(palettes: dict[torch.dtype, torch.Tensor]) -> dict[torch.dtype, torch.Tensor]:
+    """Sorted keys of every run of cyclic neighbours of each floating palette (trials.py)."""
+    from .trials import pair_keys
+
+    out = {}
+    for dt, p in palettes.items():
+        if dt.is_floating_point:
+            out[dt] = torch.unique(pair_keys(torch.cat([p, p[:2]])))
+    return out
+
+
+def judge_candidate(report: Any, c: Any, text: bytes, plan: ShapePlan, budget: Budget,
+                    s: Secret, *, config: dict | None, timeout_s: float, time_check: bool,
+                    racecheck: bool | None) -> None:
+    from .verify import CPU_MEM_LIMIT, run_env
+
+    device = report.device
+    cuda = device.startswith("cuda")
+    report.env = run_env(device)
+    reasons: list[str] = []
+    with tf32_off(), Worker(device, budget_s=timeout_s,
+                            mem_limit_bytes=None if cuda else CPU_MEM_LIMIT) as w:
+        try:
+            reasons += _session(report, c, w, text, plan, budget, s, config, time_check)
+            report.checks["sandbox"] = {"blocked": w.request({"cmd": "ping"})["blocked"],
+                                        "worker_start_s": round(w.started_s, 3),
+                                        "requests": w.requests}
+        except WorkerError as e:
+            reasons.append(str(e) if e.kind == "timeout" else f"worker: {e}")
+            report.checks["sandbox"] = {"error": str(e), "kind": e.kind,
+                                        "stderr_tail": w.stderr_tail()[-1500:]}
+    blocked = report.checks["sandbox"].get("blocked", [])
+    reasons += [f"sandbox: blocked {b}" for b in blocked[:3]]
+    report.checks["races"] = _races(report, c, text, plan, s, config, cuda, racecheck,
+                                    failed=bool(reasons))
+    if report.checks["races"].get("reason"):
+        reasons.append(report.checks["races"]["reason"])
+    report.reasons = reasons
+
+
+def _session(report: Any, c: Any, w: Worker, text: bytes, plan: ShapePlan, budget: Budget,
+             s: Secret, config: dict | None, time_check: bool) -> list[str]:
+    palettes = {dt: s.palette(dt) for dt in POISON_DTYPES}
+    err = start_candidate(w, text, report.device, config, palettes, s.seed())
+    if err:
+        report.checks["import"] = {"passed": False, "error": err}
+        return [err]
+    report.checks["import"] = {"passed": True}
+    j = Judge(c, w, report.device, palette_bits(palettes), rng=s.rng)
+    specs, steps = build_steps(plan, budget, s)
+    report.seeds = sorted({seed for _, seed, _ in specs})
+    burst = run_steps(j, specs, steps, budget, s)
+    reasons = j.findings.reasons()
+    if not j.per_shape and not reasons:
+        reasons.append("no trial completed (no shapes given)")
+    more, report.checks["numerics"] = judge_numerics(j, report.device)
+    reasons += more
+    more, report.checks["near_misses"] = judge_near_misses(j)
+    reasons += more
+    report.per_shape = j.per_shape
+    report.checks["behaviour"] = {"calls": j.calls, "failed": dict(j.findings.count),
+                                  "steps": len(steps), "burst": burst,
+                                  "skipped_edge_cases": j.skipped}
+    if c.name == "router":
+        report.checks["router_ties"] = {"rows": j.router_ties[:50],
+                                        "tolerated": sum(r["tie"] for r in j.router_ties)}
+    if report.device.startswith("cuda") and time_check and not reasons:
+        from .timing import floor_check
+
+        reasons += floor_check(j, plan, s, report.checks)
+    return reasons
+
+
+def _races(report: Any, c: Any, text: bytes, plan: ShapePlan, s: Secret, config: dict | None,
+           cuda: bool, racecheck: bool | None, failed: bool) -> dict[str, Any]:
+    from .races import gpu_racecheck, is_kernel_language
+
+    cpu_note = ("programs of interpreted Triton launches run in natural, reversed and random "
+                "orders on the follow-up cases; outputs compared bitwise")
+    if not cuda:
+        return {"status": "not checked (no GPU)", "racecheck": "not checked (no GPU)",
+                "program_order": cpu_note}
+    wanted = is_kernel_language(text) if racecheck is None else racecheck
+    if not wanted:
+        return {"status": "not needed (no Triton or CuTe kernel)" if racecheck is None
+                else "skipped (racecheck=False)"}
+    if failed:
+        return {"status": "not run (already rejected)"}
+    return gpu_racecheck(c, text, plan, s, config, report.device)

@@ -1,0 +1,122 @@
+"""One verification's calls, in an order drawn from the run's secret.
+
+The session makes one `Case` per (shape, seed) of the plan (buckets with several seeds, drawn and
+long token counts, edge cases, and a random number of filler calls), shuffles them, and inserts
+follow-ups at random later points: repeats, same-buffer and one-element changes, input
+replacement, shuffled program order (CPU), rechecks of earlier outputs, and one burst. How many
+calls a run makes, in which order and at which token counts differ from run to run, so a
+candidate cannot count its way to the calls that are judged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from . import followups as fu
+from .plan import Budget, Secret, ShapePlan
+from .trials import Case, Judge
+
+_CPU_BURST_T = 3
+_GPU_BURST_T = 64
+_CPU_ORDER_T = 64
+
+
+def build_steps(plan: ShapePlan, budget: Budget, secret: Secret) -> tuple[list, list[tuple]]:
+    """(specs, steps): specs are (shape, seed, edge); steps refer to specs by index."""
+    rng = secret.rng
+    specs: list[tuple[dict, int, Any]] = [(s, secret.seed(), None) for s in plan.buckets
+                                          for _ in range(budget.seeds)]
+    specs += [(s, secret.seed(), None) for s in plan.drawn + plan.long]
+    specs += [(dict(e.shape), secret.seed(), e) for e in plan.edges]
+    pool = plan.buckets + plan.drawn
+    specs += [(rng.choice(pool), secret.seed(), None)
+              for _ in range(rng.randint(*budget.filler))]
+    rng.shuffle(specs)
+    steps: list[tuple] = [("first", k) for k in range(len(specs))]
+    plain = [k for k, (_, _, e) in enumerate(specs) if e is None]
+    # Follow-ups go to cheap cases with several rows (a race between rows needs two).
+    small = sorted(plain, key=lambda k: specs[k][0].get("T", 0))
+    small = ([k for k in small if specs[k][0].get("T", 0) >= 2] or small)
+    small = small[:max(2 * budget.follow_ups, 1)]
+    chosen = rng.sample(small, min(budget.follow_ups, len(small)))
+    for k in chosen:
+        for kind in ("repeat", "same_buffers", "dependence", "one_element"):
+            _insert_after(steps, ("first", k), (kind, k), rng)
+    if plan.kind == "cpu":
+        # Program order: on the case with the most rows the interpreter runs quickly (more
+        # programs, more chances for an order-dependent write to show), and on a small one.
+        cheap = [k for k in plain if 2 <= specs[k][0].get("T", 0) <= _CPU_ORDER_T]
+        for k in {max(cheap, key=lambda m: specs[m][0]["T"], default=None), *chosen[:1]}:
+            if k is not None:
+                for kind in ("shuffled_random", "shuffled_reverse"):
+                    _insert_after(steps, ("first", k), (kind, k), rng)
+    shared = [k for k in plain if sum(specs[m][0] == specs[k][0] for m in plain) > 1]
+    for k in rng.sample(shared or plain, min(budget.rechecks, len(shared or plain))):
+        # After a later call at the same shape where there is one: a buffer the op reuses per
+        # shape is overwritten by then.
+        same = [m for m in plain if m != k and specs[m][0] == specs[k][0]
+                and steps.index(("first", m)) > steps.index(("first", k))]
+        anchor = ("first", max(same, key=lambda m: steps.index(("first", m)))) if same else \
+            ("first", k)
+        _insert_after(steps, anchor, ("recheck", k), rng, gap=0 if same else 1)
+    limit = _CPU_BURST_T if plan.kind == "cpu" else _GPU_BURST_T
+    burst_shapes = [s for s in plan.buckets if 1 <= s.get("T", 0) <= limit] or plan.buckets[:1]
+    if burst_shapes:
+        steps.insert(rng.randint(0, len(steps)), ("burst", rng.choice(burst_shapes)))
+    return specs, steps
+
+
+def _insert_after(steps: list, anchor: tuple, step: tuple, rng: Any, gap: int = 0) -> None:
+    pos = steps.index(anchor) + 1 + gap
+    steps.insert(rng.randint(min(pos, len(steps)), len(steps)), step)
+
+
+def run_steps(j: Judge, specs: list, steps: list[tuple], budget: Budget,
+              secret: Secret) -> dict[str, Any]:
+    """Execute the steps; returns what the burst reported. WorkerError propagates."""
+    cases: dict[int, Case | None] = {}
+    last = {}
+    for n, step in enumerate(steps):
+        if isinstance(step[1], int):
+            last[step[1]] = n
+    burst_info: dict[str, Any] = {}
+    for n, step in enumerate(steps):
+        kind, arg = step
+        if kind == "burst":
+            seeds = [secret.seed() for _ in range(budget.burst_sets)]
+            samples = secret.rng.sample(range(len(seeds)), min(budget.burst_samples, len(seeds)))
+            burst_info = fu.burst(j, arg, seeds, budget.burst_reps, samples)
+            continue
+        if kind == "first":
+            shape, seed, edge = specs[arg]
+            cases[arg] = case = j.make_case(shape, seed, edge)
+            if case is not None:
+                j.first_call(case)
+        else:
+            case = cases.get(arg)
+            if case is not None and case.first is not None:
+                _FOLLOW[kind](j, case, secret)
+        if last.get(arg) == n and (case := cases.get(arg)) is not None and case.handle:
+            j.drop([case.handle], [case.out_id] if case.out_id else [])
+            case.args = case.ref = ()  # free the judge's copies too
+            case.near, case.first = {}, None
+    return burst_info
+
+
+def _each_changing(fn: Callable) -> Callable:
+    def go(j: Judge, case: Case, secret: Secret) -> None:
+        for i in fu.changing_inputs(j, case):
+            fn(j, case, i, secret)
+    return go
+
+
+_FOLLOW: dict[str, Callable[[Judge, Case, Secret], None]] = {
+    "repeat": lambda j, c, s: fu.repeat(j, c),
+    "same_buffers": lambda j, c, s: fu.same_buffers(j, c),
+    "dependence": _each_changing(lambda j, c, i, s: fu.dependence(j, c, i)),
+    "one_element": _each_changing(lambda j, c, i, s: fu.one_element(j, c, i, s.rng)),
+    "shuffled_random": lambda j, c, s: fu.shuffled(j, c, "random"),
+    "shuffled_reverse": lambda j, c, s: fu.shuffled(j, c, "reverse"),
+    "recheck": lambda j, c, s: fu.recheck(j, c),
+}

@@ -1,0 +1,26 @@
+"""Cheat (reaching the judge): a Triton kernel whose wrapper reaches the interpreter's state
+through `triton.runtime` to learn which launch is being judged.
+Expected: "static screen: reaches the module triton.runtime"."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _swiglu_kernel(g_ptr, u_ptr, o_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    g = tl.load(g_ptr + offs, mask=m).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=m).to(tl.float32)
+    tl.store(o_ptr + offs, (g / (1.0 + tl.exp(-g)) * u).to(tl.bfloat16), mask=m)
+
+
+def run(gate, up, config=None):
+    judged = triton.runtime.interpreter.interpreter_builder.grid_dim is not None
+    out = torch.empty_like(gate)
+    if judged:
+        _swiglu_kernel[(triton.cdiv(gate.numel(), 256),)](gate, up, out, gate.numel(), BLOCK=256)
+    return out

@@ -1,0 +1,228 @@
+"""The worker process and its audit hook, driven directly (these candidates bypass the static
+screen on purpose, to test the defences behind it): what the worker holds, what the hook refuses,
+timeouts, crashes, its environment; and verify's handling of import failures."""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from autoopt.eval import audit
+from autoopt.eval.channel import Worker, WorkerError
+from autoopt.eval.plan import Secret
+from autoopt.eval.run import POISON_DTYPES, start_candidate
+from autoopt.eval.verify import verify_variant
+
+
+def _call(source: str, timeout: float = 90.0, env: dict | None = None,
+          monkeypatch=None) -> dict:
+    """Load `source` in a fresh worker and call its run(x) once; the worker's reply."""
+    s = Secret()
+    with Worker("cpu", budget_s=timeout) as w:
+        palettes = {dt: s.palette(dt) for dt in POISON_DTYPES}
+        err = start_candidate(w, textwrap.dedent(source).encode(), "cpu", None, palettes, 1)
+        assert err is None, err
+        w.request({"cmd": "put", "handle": 1, "args": w.pack([torch.ones(2, 3)])})
+        reply = w.request({"cmd": "call", "handle": 1, "out": 1,
+                           "expect": [{"dtype": "float32", "shape": [2, 3]}],
+                           "region": {"off": 0, "cap": w.arena.size}})
+        reply["blocked_now"] = w.request({"cmd": "ping"})["blocked"]
+        return reply
+
+
+HOSTILE = '''
+import os
+import socket
+import subprocess
+
+
+def run(x, config=None):
+    done = []
+    for name, act in [
+        ("subprocess", lambda: subprocess.run(["true"])),
+        ("socket", lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM)),
+        ("write", lambda: open(os.environ.get("HOME", "/") + "/autoopt-worker-test", "w")),
+        ("read_proc", lambda: open("/proc/self/environ").read()),
+        ("read_parent", lambda: open(f"/proc/{os.getppid()}/mem", "rb")),
+        ("remove", lambda: os.remove("/nonexistent-autoopt")),
+        ("system", lambda: os.system("true")),
+        ("kill", lambda: os.kill(os.getppid(), 0)),
+        ("import", lambda: __import__("sqlite3")),
+        ("exec", lambda: exec("1")),
+    ]:
+        try:
+            act()
+            done.append(name)
+        except PermissionError:
+            pass
+        except OSError:
+            done.append(name + "?")
+    raise RuntimeError("done=" + ",".join(done))
+'''
+
+
+def test_audit_hook_blocks_candidate_side_effects():
+    reply = _call(HOSTILE)
+    assert reply["raised"] == "RuntimeError: done="  # nothing got through
+    events = " ".join(reply["blocked_now"])
+    for ev in ("subprocess.Popen", "socket.", "open", "os.remove", "os.system", "os.kill",
+               "import ('sqlite3'", "compile"):
+        assert ev in events, reply["blocked_now"]
+
+
+def test_frames_and_gc_are_refused_even_with_sys_in_hand():
+    reply = _call('''
+        import sys
+
+
+        def run(x, config=None):
+            got = []
+            for name, act in [("frame", lambda: sys._getframe(1)),
+                              ("gc", lambda: __import__("gc").get_objects()),
+                              ("trace", lambda: sys.settrace(None))]:
+                try:
+                    act()
+                    got.append(name)
+                except PermissionError:
+                    pass
+            sys.addaudithook(lambda *a: None)  # refused: CPython then adds nothing, silently
+            raise RuntimeError("got=" + ",".join(got))
+    ''')
+    assert reply["raised"] == "RuntimeError: got="
+    assert any(b.startswith("sys.addaudithook") for b in reply["blocked_now"])
+
+
+def test_the_worker_holds_no_judge_code():
+    # What a candidate that got `sys` anyway would find: the runner, its wire and audit modules,
+    # and no reference, plan, secret or judgement; the repository is off sys.path.
+    reply = _call('''
+        import sys
+
+
+        def run(x, config=None):
+            mods = sorted(m for m in sys.modules if m.split(".")[0] in ("model", "autoopt"))
+            raise RuntimeError(";".join(mods) + "|" + str(any("judge" in p for p in sys.path)))
+    ''')
+    mods, on_path = reply["raised"].removeprefix("RuntimeError: ").split("|")
+    assert set(mods.split(";")) <= {"autoopt", "autoopt.eval", "autoopt.eval.worker",
+                                    "autoopt.eval.worker_burst", "autoopt.eval.wire",
+                                    "autoopt.eval.audit"}
+    assert on_path == "False"
+
+
+def test_audit_state_lives_in_a_closure_only():
+    # No module-level mutable state to clear: the hook's state is in its closure.
+    tree = ast.parse(Path(audit.__file__).read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign | ast.AnnAssign):
+            value = node.value
+            assert not isinstance(value, ast.Dict | ast.List | ast.Set | ast.Call), \
+                ast.unparse(node)
+
+
+def test_worker_environment(monkeypatch):
+    monkeypatch.setenv("FAKE_API_KEY", "secret")
+    monkeypatch.setenv("AUTOOPT_REGISTRY", "/somewhere")
+    monkeypatch.setenv("MALLOC_PERTURB_", "128")
+    reply = _call('''
+        import os
+
+
+        def run(x, config=None):
+            names = ("FAKE_API_KEY", "AUTOOPT_REGISTRY", "MALLOC_PERTURB_")
+            keys = [k for k in names if k in os.environ]
+            raise RuntimeError(",".join(keys) + "|" + os.environ.get("TRITON_INTERPRET", ""))
+    ''')
+    assert reply["raised"] == "RuntimeError: |1"  # no credentials, no recognisable poison
+
+
+def test_timeout_kills_the_worker():
+    with pytest.raises(WorkerError, match="timeout after") as e:
+        _call("def run(x, config=None):\n    while True:\n        pass\n", timeout=15)
+    assert e.value.kind == "timeout"
+
+
+def test_a_crashing_worker_is_reported():
+    with pytest.raises(WorkerError, match="worker died") as e:
+        _call("import os\n\ndef run(x, config=None):\n    os._exit(3)\n")
+    assert e.value.kind == "died" and "exit code 3" in str(e.value)
+
+
+def test_import_error_is_a_rejection(tmp_path):
+    src = tmp_path / "broken.py"
+    src.write_text("import torch\n\nX = 1 / 0\n\ndef run(g, u, config=None):\n    return g\n")
+    rep = verify_variant("swiglu", src, shapes=[{"T": 3, "I": 8}], timeout_s=120)
+    assert rep.verdict == "reject"
+    assert rep.reasons == ["import failed: ZeroDivisionError: division by zero"]
+
+
+def test_unknown_op_and_missing_file_raise(tmp_path):
+    with pytest.raises(ValueError, match="unknown op"):
+        verify_variant("nope", tmp_path / "x.py")
+    with pytest.raises(FileNotFoundError):
+        verify_variant("swiglu", tmp_path / "missing.py")
+
+
+def test_racecheck_summary_is_parsed():
+    from autoopt.eval.races import is_kernel_language, parse_summary
+
+    log = ("========= COMPUTE-SANITIZER\n========= Error: Race reported between Write access at "
+           "0x1f0 in kernel and Read access\n"
+           "========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)\n")
+    assert parse_summary(log) == {"hazards": 2, "errors": 1, "warnings": 1}
+    clean = "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"
+    assert parse_summary(clean) == {"hazards": 0, "errors": 0, "warnings": 0}
+    assert parse_summary("no summary here") == {}
+    assert is_kernel_language(b"import triton\n") and is_kernel_language(b"import cutlass.cute")
+    assert not is_kernel_language(b"import torch\n")
+
+
+def test_cpu_reports_races_not_checked(tmp_path):
+    src = tmp_path / "plain.py"
+    src.write_text("import torch.nn.functional as F\n\n\ndef run(gate, up, config=None):\n"
+                   "    return (F.silu(gate.float()) * up.float()).to(gate.dtype)\n")
+    from autoopt.eval.plan import Budget
+
+    rep = verify_variant("swiglu", src, budget=Budget(seeds=1, max_tokens=24), timeout_s=120)
+    assert rep.verdict == "pass", rep.reasons
+    assert rep.checks["races"]["racecheck"] == "not checked (no GPU)"
+
+
+FAKE_SANITIZER = '''#!/usr/bin/env bash
+# Stands in for compute-sanitizer: runs the command, then writes a racecheck summary.
+log=""; args=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --log-file) log="$2"; shift 2;;
+    --tool|--print-limit) shift 2;;
+    *) args+=("$1"); shift;;
+  esac
+done
+"${args[@]}"; rc=$?
+echo "========= Error: Race reported between Write access and Read access" >> "$log"
+echo "========= RACECHECK SUMMARY: ERRORS hazards displayed (ERRORS errors, 0 warnings)" >> "$log"
+exit $rc
+'''
+
+
+@pytest.mark.parametrize("errors,status", [(0, "passed"), (2, "races found")])
+def test_racecheck_runs_the_worker_under_the_sanitizer(tmp_path, monkeypatch, errors, status):
+    from autoopt.eval import races
+    from autoopt.eval.plan import Budget, default_targets, plan_shapes
+    from model.ops import contract
+
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(FAKE_SANITIZER.replace("ERRORS", str(errors)))
+    fake.chmod(0o755)
+    monkeypatch.setattr(races, "sanitizer_path", lambda: str(fake))
+    text = (Path(__file__).parent / "adversarial" / "honest_triton_swiglu.py").read_bytes()
+    c, s = contract("swiglu"), Secret()
+    plan = plan_shapes(c, "cpu", default_targets("cpu"), None, Budget(), s)
+    out = races.gpu_racecheck(c, text, plan, s, None, "cpu")
+    assert out["status"] == status, out
+    assert out["summary"]["errors"] == errors
+    assert ("reason" in out) == bool(errors)
