@@ -107,12 +107,26 @@ def _fma_rope(q, k, q_weight, k_weight, cos, sin, eps):
     return one(q, q_weight), one(k, k_weight)
 
 
+def magnitude(q, k, v, q_weight, k_weight, cos, sin, eps, k_cache, v_cache, slots):
+    """Per output, FP32 |n * cos| + |rot(n) * sin|: the size of the two RoPE products, which
+    cancel (a near-zero output moves by many of its own ulps when a normed value flips by one);
+    zero where the cache is not written (those slots are judged at their own scale)."""
+    def terms(x, w):
+        n = rmsnorm(x, w, eps).float()
+        return n.abs() * cos.abs()[:, None] + _rotate_half(n).abs() * sin.abs()[:, None]
+
+    kc = torch.zeros(k_cache.shape, dtype=torch.float32, device=k_cache.device)
+    kc.view(-1, *kc.shape[2:])[slots] = terms(k, k_weight)
+    return terms(q, q_weight), kc, torch.zeros_like(kc)
+
+
 NUMERICS = Numerics(
     kind="ulp",
     # The head_dim=128 norm reduction order may differ; RoPE itself is elementwise, but a 1-ulp
     # flip of the BF16-rounded normed q/k feeds two products and a cancelling sum, which can
-    # land 2 ulps from the reference on rare elements.
+    # land 2 ulps from the reference on rare elements: counted at the products' scale.
     max_ulp=2,
+    magnitude=magnitude,
     max_mismatch_fraction=1e-3,
     near_misses={"rope_on_unrounded_norm": _with_write(_rope_on_unrounded_norm),
                  "fma_rope": _with_write(_fma_rope)},
