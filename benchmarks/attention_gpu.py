@@ -93,8 +93,12 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (ia - ib).abs()
 
 
-def compare(got, ref, near=None) -> dict:
-    d = ulps(got, ref)
+def compare(got, ref, near=None, magnitude=None) -> dict:
+    """Max ulp and mismatch fraction; with `magnitude`, ulps at max(|ref|, magnitude), as the
+    op's verifier counts them (sums whose terms cancel)."""
+    from autoopt.eval.numerics import ulp_diff_at
+
+    d = ulps(got, ref) if magnitude is None else ulp_diff_at(got, ref, magnitude).abs()
     row = {"max_ulp": int(d.max()), "mismatch": float((d > 0).float().mean())}
     if near is not None:
         row["vs_ref"], row["vs_near"] = int((got != ref).sum()), int((got != near).sum())
@@ -162,6 +166,7 @@ def attention_case(impls, near, ctx, batch, window, s, device, gen) -> dict:
     case = decode_case(ctx, batch, window, s, device, gen)
     ref = impls["torch"](*case)
     near_out = near(*case)
+    mag = contract("attention").numerics.magnitude(*case)
     row = {"layer": "window" if window else "full", "context": ctx, "batch": batch}
     for name, impl in impls.items():
         try:
@@ -171,7 +176,7 @@ def attention_case(impls, near, ctx, batch, window, s, device, gen) -> dict:
             else:
                 call = (lambda impl=impl, a=case: impl(*a))
             out = call()
-            row[name] = {"us": timed(call, device), **compare(out, ref, near_out)}
+            row[name] = {"us": timed(call, device), **compare(out, ref, near_out, mag)}
         except Exception as exc:  # reported in the table, never hidden
             row[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
     del case
@@ -200,7 +205,8 @@ def qkv_rows(s, device, bw: float) -> list[dict]:
         got = mod.run(*args, config=best[1])
         row.update(triton_us=best[0], config=best[1],
                    **compare(torch.cat([g.flatten() for g in got]),
-                             torch.cat([r.flatten() for r in ref])))
+                             torch.cat([r.flatten() for r in ref]), None,
+                             torch.cat([m.flatten() for m in c.numerics.magnitude(*args)])))
         rows.append(row)
     return rows
 
