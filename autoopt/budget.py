@@ -1,4 +1,6 @@
-"""The time plan of `autoopt optimize --budget`: the budget bounds the whole command.
+"""The time plan of `autoopt optimize --budget`, and the ledger of what a run spends.
+
+The budget bounds the whole command.
 
 Before any work the run is planned from the budget: how many batch sizes the profile covers,
 whether and at which batch sizes the end-to-end `bench model` check runs, and the time left to
@@ -12,8 +14,10 @@ that ends early leaves its time to the next one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -122,4 +126,83 @@ def plan_run(budget_s: float, kind: str, batches: Sequence[int], e2e: bool = Tru
     return RunPlan(budget_s, prof, check, tuple(stages), c.min_op, c.min_start)
 
 
-__all__ = ["COSTS", "Costs", "RunPlan", "Stage", "plan_run"]
+# ---- the ledger ------------------------------------------------------------------------------
+TOKEN_FIELDS = ("input_tokens", "output_tokens", "cache_creation_input_tokens",
+                "cache_read_input_tokens")
+
+
+class Ledger:
+    """What a run spends, across its sessions and workers (thread-safe; JSON in the run state).
+
+    API: per session (`<op>/<session>`), the model, calls, the four token counts of the API's
+    usage fields and USD priced from them (the agent's price table). Device: per worker, the
+    jobs it ran by kind and their seconds on the device, for every agent."""
+
+    def __init__(self, data: Mapping[str, Any] | None = None) -> None:
+        data = data or {}
+        self.api: dict[str, dict] = {k: dict(v) for k, v in (data.get("api") or {}).items()}
+        self.device: dict[str, dict] = {k: dict(v) for k, v in
+                                        (data.get("device") or {}).items()}
+        self.lost: list[str] = list(data.get("lost") or [])
+        self._lock = threading.Lock()
+
+    def api_call(self, session: str, model: str, usage: Mapping[str, Any], usd: float) -> None:
+        with self._lock:
+            row = self.api.setdefault(session, {"model": model, "calls": 0, "usd": 0.0,
+                                                **dict.fromkeys(TOKEN_FIELDS, 0)})
+            row["calls"] += 1
+            row["usd"] += float(usd)
+            for k in TOKEN_FIELDS:
+                row[k] += int(usage.get(k) or 0)
+
+    def device_job(self, worker: str, kind: str, seconds: float) -> None:
+        with self._lock:
+            row = self.device.setdefault(worker, {"jobs": 0, "seconds": 0.0, "by_kind": {}})
+            row["jobs"] += 1
+            row["seconds"] += float(seconds)
+            k = row["by_kind"].setdefault(kind, {"jobs": 0, "seconds": 0.0})
+            k["jobs"] += 1
+            k["seconds"] += float(seconds)
+
+    def worker_lost(self, line: str) -> None:
+        with self._lock:
+            self.lost.append(line)
+
+    def usd(self) -> float:
+        with self._lock:
+            return sum(r["usd"] for r in self.api.values())
+
+    def totals(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = {"usd": sum(r["usd"] for r in self.api.values()),
+                                   "calls": sum(r["calls"] for r in self.api.values())}
+            for k in TOKEN_FIELDS:
+                out[k] = sum(r[k] for r in self.api.values())
+            out["device_s"] = sum(r["seconds"] for r in self.device.values())
+            out["jobs"] = sum(r["jobs"] for r in self.device.values())
+            out["workers"] = len(self.device)
+            return out
+
+    def line(self) -> str:
+        """One live log line: money and tokens (when an API was used), device time."""
+        t = self.totals()
+        api = (f"${t['usd']:.4f} ({_k(t['input_tokens'])} in + {_k(t['output_tokens'])} out "
+               f"tokens, {_k(t['cache_read_input_tokens'])} cache reads, {t['calls']} API "
+               "calls); " if t["calls"] else "")
+        return (f"spent: {api}device {t['device_s']:.0f} s over {t['jobs']} job(s) on "
+                f"{t['workers']} worker(s)")
+
+    def to_json(self) -> dict[str, Any]:
+        with self._lock:
+            return {"api": {k: dict(v) for k, v in self.api.items()},
+                    "device": {k: {**v, "by_kind": {n: dict(b) for n, b in
+                                                    v["by_kind"].items()}}
+                               for k, v in self.device.items()},
+                    "lost": list(self.lost)}
+
+
+def _k(n: int) -> str:
+    return f"{n / 1000:.1f}k" if n >= 1000 else str(n)
+
+
+__all__ = ["COSTS", "Costs", "Ledger", "RunPlan", "Stage", "plan_run"]

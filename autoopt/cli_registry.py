@@ -68,7 +68,7 @@ def diff(op: str = _OP, a: str = typer.Argument(..., help="First variant."),
 def record(
     op: str = _OP, variant: str = _VARIANT, registry: Path = _REGISTRY,
     device: str = typer.Option("auto", help="cpu, cuda or auto (cuda when present)."),
-    seeds: str = typer.Option("0,1,2", help="Verification seeds, comma-separated."),
+    seeds: int = typer.Option(3, help="Seeds per shape (secret: drawn for this run)."),
     tokens: str = typer.Option(None, help="Token counts of the shapes (default: the judge's)."),
     target: str = typer.Option(None, "--target", help="Time at this target's shapes."),
     bench: bool = typer.Option(True, "--bench/--no-bench", help="Also time it."),
@@ -89,7 +89,7 @@ def record(
     def ints(text: str | None) -> tuple[int, ...]:
         return tuple(int(x) for x in (text or "").split(",") if x.strip())
 
-    args = RecordArgs(op, variant, device, ints(seeds), ints(tokens), target, bench, warmup,
+    args = RecordArgs(op, variant, device, seeds, ints(tokens), target, bench, warmup,
                       iters, compile_, timeout, agent)
     try:
         rec, report, rows = record_variant(env.open_registry(registry), args)

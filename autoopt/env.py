@@ -98,6 +98,23 @@ def tasks_dir() -> Path:
     return Path(explicit) if explicit else shipped_tasks_dir()
 
 
+def cuda_visible_devices() -> str | None:
+    """CUDA_VISIBLE_DEVICES as this process was started with (a pinned worker's GPU)."""
+    return _get("CUDA_VISIBLE_DEVICES")
+
+
+def pin_cuda_device(index: str) -> None:
+    """Make GPU `index` this process's only (cuda:0); call before CUDA starts. Children the
+    process spawns (the judge's sandboxed workers) inherit it."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(index)
+
+
+def ray_local_environment() -> dict[str, str]:
+    """Environment for a Ray cluster started on this machine for one run (set before `ray` is
+    imported): every Ray server bound to loopback (Ray's single-machine mode), no usage stats."""
+    return {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
 def ncu_path() -> str | None:
     """An explicit Nsight Compute CLI; unset, `ncu` is looked up on PATH and in CUDA's bin."""
     return _get("AUTOOPT_NCU")

@@ -1,13 +1,18 @@
 """The optimize loop: plan -> profile the served step -> rank -> agents -> bench model -> report.
 
 `optimize(args)` resolves the target (a GPU target needs its GPU, or --proxy), builds the agent
-first (a missing API key fails before any work) and plans the whole command within `--budget`
-(budget.py: the plan is printed up front, every stage has a deadline). It profiles the step as
-the server runs it (the engine, the paged KV cache, CUDA graphs, the tuned set) at each of the
-target's batch sizes the plan covers, ranks the ops by their time above their floor summed over
-those batch sizes, and runs one budgeted agent session per op: one evaluation worker per visible
-GPU (threads; each worker's candidates are verified and timed in sandboxed child processes on
-its own GPU), one worker on the CPU, where candidates are verified and never timed. Every
+first (a missing API key fails before any work; its options are the ones it declares, parsed by
+`autoopt.agents.parse_options`) and plans the whole command within `--budget` (budget.py: the
+plan is printed up front, every stage has a deadline). It profiles the step as the server runs
+it (the engine, the paged KV cache, CUDA graphs, the tuned set) at each of the target's batch
+sizes the plan covers, ranks the ops by their time above their floor summed over those batch
+sizes, and runs `--sessions N` agent sessions per op at once (threads in this process, each with
+its own seed or strategy). Every candidate goes to the run's evaluation farm (autoopt/farm): one
+worker per local GPU (`--gpus`), each candidate verified and timed alone on its GPU; on the CPU
+`--workers` workers that verify and never time; or Ray tasks pinned to one GPU each
+(`--ray-address`). Ops run as many at a time as there are workers, each with an equal share of
+the sessions' time. The run state, every registry write, the ledger of what the run spends
+(tokens and USD of the API, device seconds; logged as it goes) and the report stay here. Every
 attempt is checkpointed (runstate.py); winners are registered by loop_eval.py's rule, with
 configs tuned for every token bucket the target serves. The end-to-end check is `bench model`
 (reference vs tuned vs the run's new set, parity of their outputs), and report.py writes
@@ -20,18 +25,28 @@ configs tuned for every token bucket the target serves. The end-to-end check is 
 from __future__ import annotations
 
 import dataclasses
-import os
+import queue
 import re
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
 from . import env
-from .agents import Limits, OptimizationTask, default_agent, make_agent, run_session
-from .budget import plan_run
+from .agents import (
+    Limits,
+    OptimizationTask,
+    SessionContext,
+    default_agent,
+    make_agent,
+    parse_options,
+    run_session,
+)
+from .budget import Ledger, plan_run
 from .console import make_console
 from .loop_eval import HarnessEvaluator, RunContext
 from .runlog import run_log, say, stage
@@ -63,7 +78,6 @@ class OptimizeArgs:
     auto_accept: bool = False
     registry: str | None = None
     runs_dir: str | None = None
-    trials: int = 8  # Optuna trials per token bucket (template agent)
     compile: bool = False  # also time torch.compile of the reference (slow to compile)
     verify_seeds: int = 3
     verify_tokens: tuple[int, ...] = ()  # () = the harness's default verification shapes
@@ -71,31 +85,34 @@ class OptimizeArgs:
     e2e: bool = True
     profile_backend: str = "auto"  # auto/torch: torch.profiler; ncu adds a sampled Nsight pass
     device: str | None = None  # one evaluation worker on this device (default: every GPU)
-    model: str | None = None
-    max_turns: int | None = None
-    max_tokens: int | None = None
-    budget_usd: float | None = None
+    agent_options: Mapping[str, Any] = field(default_factory=dict)  # declared by the agent
+    sessions: int = 1  # agent sessions per op, at once
+    gpus: tuple[int, ...] = ()  # local GPUs that evaluate (default: every visible one)
+    workers: int = 1  # evaluation workers on a CPU run (verify only)
+    ray_address: str | None = None  # evaluate on a Ray cluster ("local": start one here)
 
     def __post_init__(self) -> None:
         if self.max_candidates < 1 or self.budget_s <= 0 or self.verify_seeds < 1:
             raise ValueError("max_candidates, budget and verify_seeds must be positive")
+        if self.sessions < 1 or self.workers < 1:
+            raise ValueError("--sessions and --workers must be >= 1")
+        if self.gpus and self.device:
+            raise ValueError("give --gpus or --device, not both")
 
 
 def args_from_state(saved: dict, **overrides: Any) -> OptimizeArgs:
     names = {f.name for f in dataclasses.fields(OptimizeArgs)}
     kw = {k: v for k, v in saved.items() if k in names}
     kw.update({k: v for k, v in overrides.items() if v is not None})
-    for k in ("ops", "verify_tokens"):
+    for k in ("ops", "verify_tokens", "gpus"):
         kw[k] = tuple(kw.get(k) or ())
+    kw["agent_options"] = dict(kw.get("agent_options") or {})
     return OptimizeArgs(**kw)
 
 
 def agent_options(args: OptimizeArgs, name: str) -> dict[str, Any]:
-    if name == "template":
-        return {"trials": args.trials}
-    opts = {"model": args.model, "max_turns": args.max_turns, "max_tokens": args.max_tokens,
-            "budget_usd": args.budget_usd}
-    return {k: v for k, v in opts.items() if v is not None}
+    """The options agent `name` declares, from the run's generic option dict."""
+    return parse_options(name, args.agent_options)
 
 
 def _context(args: OptimizeArgs, target: Any, run_dir: Path, proxy_note: str | None,
@@ -111,10 +128,13 @@ def _context(args: OptimizeArgs, target: Any, run_dir: Path, proxy_note: str | N
                       bench_iters=args.bench_iters, tune_iters=min(20, args.bench_iters))
 
 
-def _devices(ctx: RunContext, device: str | None = None) -> list[str]:
+def _devices(ctx: RunContext, device: str | None = None,
+             gpus: tuple[int, ...] = ()) -> list[str]:
+    """The local evaluation devices: cpu on a CPU target; else --device, --gpus or every GPU."""
     if not ctx.meaningful:
-        if device not in (None, "cpu"):
-            raise ValueError(f"--device {device}: target {ctx.target.name} runs on the cpu")
+        if device not in (None, "cpu") or gpus:
+            raise ValueError(f"--device/--gpus: target {ctx.target.name} runs on the cpu "
+                             "(use --workers for several CPU workers)")
         return ["cpu"]
     if device is not None:
         if not device.startswith("cuda"):
@@ -123,7 +143,23 @@ def _devices(ctx: RunContext, device: str | None = None) -> list[str]:
         return [device if ":" in device else "cuda:0"]
     import torch
 
-    return [f"cuda:{i}" for i in range(max(1, torch.cuda.device_count()))]
+    count = max(1, torch.cuda.device_count())
+    if gpus:
+        bad = [g for g in gpus if not 0 <= g < count]
+        if bad:
+            raise ValueError(f"--gpus {bad}: this machine has GPUs 0..{count - 1}")
+        return [f"cuda:{g}" for g in gpus]
+    return [f"cuda:{i}" for i in range(count)]
+
+
+def farm_spec(args: OptimizeArgs, ctx: RunContext) -> Any:
+    """Where this run's candidates are evaluated (autoopt/farm)."""
+    from .farm import FarmSpec
+
+    devices = _devices(ctx, args.device, args.gpus)
+    if not ctx.meaningful:
+        devices = ["cpu"] * args.workers
+    return FarmSpec(devices=tuple(devices), ray_address=args.ray_address, gpu=ctx.meaningful)
 
 
 def default_target() -> str:
@@ -325,120 +361,135 @@ def _rank(args: OptimizeArgs, agent: Any, state: RunState) -> None:
         f"{agent.name} agent has nothing for it)")
 
 
-def _deadline(start: float, end: float, k: int, n: int, workers: int) -> float:
-    """Op k of n (rank order) on `workers` workers: ops run in rounds, each round an equal share
-    of [start, end]; no op runs past `end`."""
-    rounds = -(-n // workers)
-    return min(end, start + (end - start) * (k // workers + 1) / rounds)
-
-
 def op_deadline(now: float, end: float, remaining: int, min_op_s: float,
-                min_start_s: float = 0.0) -> float | None:
-    """The next op's deadline (one worker): an equal share of what is left, at least
-    `min_op_s` (so that the ops started can finish a proposal rather than every op time out),
-    never past `end`; None: less than `min_start_s` is left."""
+                min_start_s: float = 0.0, slots: int = 1) -> float | None:
+    """The next op's deadline when `remaining` ops (this one included) share what is left,
+    `slots` at a time: an equal share per round, at least `min_op_s` (so that the ops started
+    can finish a proposal rather than every op time out), never past `end`; None: less than
+    `min_start_s` is left."""
     if end - now < max(min_start_s, 1e-9) or remaining < 1:
         return None
-    return min(end, now + max((end - now) / remaining, min_op_s))
+    rounds = -(-remaining // max(1, slots))
+    return min(end, now + max((end - now) / rounds, min_op_s))
 
 
 def _sessions(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState,
               console: Console, end: float, minimums: tuple[float, float] = (0.0, 0.0),
-              mp_context: str = "spawn", clock: Any = time.monotonic) -> None:
+              clock: Any = time.monotonic) -> None:
+    from .farm import open_farm
+
     state.set_phase("optimizing")
-    ops, devices = state.pending_ops(), _devices(ctx, args.device)
-    start = clock()
-    say(f"{len(ops)} op(s), {max(0.0, end - start):.0f} s for the sessions, {len(devices)} "
-        f"worker(s): {', '.join(devices)}")
-    if len(devices) == 1:
-        for k, op in enumerate(ops):
-            now = clock()
-            # Ops after this one share what is left, so an early finish passes its time on.
-            deadline = op_deadline(now, end, len(ops) - k, *minimums)
-            if deadline is None:
-                state.update_op(op, status="not started", note="the budget was spent")
-                say(f"{op}: not started, {max(0.0, end - now):.0f} s left of the sessions' time")
-                continue
-            _one_op(args, agent, ctx, state, op, devices[0], deadline, console, end)
-        return
-    # One process per GPU, each pinned with CUDA_VISIBLE_DEVICES before CUDA starts, so the
-    # sandboxed verify/bench children it spawns inherit the same GPU.
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
+    ops = state.pending_ops()
+    spec = farm_spec(args, ctx)
+    ledger = Ledger(state.data.get("costs"))
+    with open_farm(spec) as farm:
+        slots = max(1, min(len(farm.workers), len(ops)))
+        say(f"{len(ops)} op(s), {max(0.0, end - clock()):.0f} s for the sessions, "
+            f"{args.sessions} session(s) per op, {slots} op(s) at a time; evaluation on "
+            f"{spec.kind} farm, {len(farm.workers)} worker(s): {', '.join(farm.workers)}")
+        todo: queue.Queue = queue.Queue()
+        for op in ops:
+            todo.put(op)
+        left = [len(ops)]
+        lock = threading.Lock()
 
-    mpc = mp.get_context(mp_context)
-    saved = {**dataclasses.asdict(args), "agent": agent.name}
-    with mpc.Manager() as manager, ProcessPoolExecutor(
-            len(devices), mp_context=mpc, initializer=_worker_init,
-            initargs=(_slots(manager, devices),)) as pool:
-        futures = [pool.submit(_worker_op, saved, str(state.run_dir), op,
-                               _deadline(start, end, k, len(ops), len(devices)), end)
-                   for k, op in enumerate(ops)]
-        for f in futures:
-            f.result()
-    state.reload()
+        def serve() -> None:
+            while True:
+                try:
+                    op = todo.get_nowait()
+                except queue.Empty:
+                    return
+                with lock:
+                    now = clock()
+                    deadline = op_deadline(now, end, left[0], *minimums, slots=slots)
+                    left[0] -= 1
+                if deadline is None:
+                    state.update_op(op, status="not started", note="the budget was spent")
+                    say(f"{op}: not started, {max(0.0, end - now):.0f} s left of the sessions' "
+                        "time")
+                    continue
+                try:
+                    _one_op(args, agent, ctx, state, op, deadline, console, end, farm, ledger)
+                except Exception as e:  # noqa: BLE001 - one op's failure must not end the run
+                    if slots == 1:
+                        raise
+                    state.update_op(op, status="error", stop_reason=f"{type(e).__name__}: {e}")
+                    say(f"{op}: failed: {type(e).__name__}: {e}")
 
-
-_WORKER: dict[str, str] = {}
-
-
-def _slots(manager: Any, devices: list[str]) -> Any:
-    q = manager.Queue()
-    for d in devices:
-        q.put(d)
-    return q
-
-
-def _worker_init(slots: Any) -> None:
-    device = slots.get()
-    _WORKER["physical"] = device
-    if device.startswith("cuda:"):
-        os.environ["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
-        device = "cuda:0"
-    _WORKER["device"] = device
-
-
-def _worker_op(saved: dict, run_dir: str, op: str, deadline: float,
-               end: float | None = None) -> str:
-    from .targets import load_target
-
-    args = args_from_state(saved)
-    agent = make_agent(saved["agent"], **agent_options(args, saved["agent"]))
-    target = load_target(args.target)
-    ctx = _context(args, target, Path(run_dir), target.require_local_gpu(args.proxy))
-    console = make_console()
-    with run_log(Path(run_dir) / "run.log"):
-        say(f"worker {os.getpid()} on {_WORKER['physical']}: {op}")
-        _one_op(args, agent, ctx, RunState.load(Path(run_dir)), op, _WORKER["device"], deadline,
-                console, end)
-    return op
+        if slots == 1:
+            serve()
+        else:
+            threads = [threading.Thread(target=serve, name=f"autoopt-op-{k}")
+                       for k in range(slots)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        for line in getattr(farm, "lost", []):
+            ledger.worker_lost(line)
+    state.update(costs=ledger.to_json())
+    say(ledger.line())
 
 
 def _one_op(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState, op: str,
-            device: str, deadline: float, console: Console, end: float | None = None) -> None:
+            deadline: float, console: Console, end: float | None = None, farm: Any = None,
+            ledger: Ledger | None = None) -> None:
+    device = "cuda" if ctx.meaningful else "cpu"
     task = build_task(ctx, state, op, device)
     state.update_op(op, status="running", device=device, baseline=task.current_name)
+    ledger = ledger or Ledger()
 
     def record(op_name: str, attempt: Any, proposal: dict) -> None:
         state.record_attempt(op_name, attempt, proposal)
+        state.update(costs=ledger.to_json())
         say(f"  {op_name} #{attempt.index} {attempt.candidate}: {attempt.verdict}"
             + (f" ({attempt.reasons[0][:120]})" if attempt.reasons else "")
             + (f" -> {attempt.outcome}" if attempt.outcome else ""))
+        say(f"  {ledger.line()}")
 
     evaluator = HarnessEvaluator(ctx, task, device, task.shapes, record, deadline=deadline,
-                                 hard_deadline=end)
-    limits = Limits(max_candidates=args.max_candidates, deadline=deadline)
-    say(f"{op} on {device}: {agent.name} session until {deadline - time.monotonic():.0f} s from "
-        f"now, baseline {task.current_name}, {len(task.attempts)} earlier attempt(s), "
+                                 hard_deadline=end, farm=farm, ledger=ledger)
+    n = args.sessions
+    limits = Limits(max_candidates=args.max_candidates, deadline=deadline,
+                    op_candidates=args.max_candidates * n)
+    say(f"{op}: {n} {agent.name} session(s) until {deadline - time.monotonic():.0f} s from now, "
+        f"baseline {task.current_name}, {len(task.attempts)} earlier attempt(s), "
         f"{len(task.shapes)} token bucket(s) {[s['T'] for s in task.shapes]}")
-    try:
-        result = run_session(agent, task, evaluator, ctx.run_dir / "ops" / op, limits)
-    except KeyboardInterrupt:
-        raise
-    except Exception as e:  # noqa: BLE001 - one op's failure must not end the run
+    results: list[Any] = [None] * n
+
+    def one(k: int) -> None:
+        where = ctx.run_dir / "ops" / op / (f"s{k}" if n > 1 else "")
+        context = SessionContext(index=k, count=n, seed=k, name=f"{op}/s{k}", ledger=ledger)
+        try:
+            results[k] = run_session(agent, task, evaluator, where, limits, context=context)
+        except Exception as e:  # noqa: BLE001 - one session's failure must not end the run
+            results[k] = e
+            say(f"{op}/s{k}: session failed: {type(e).__name__}: {e}")
+
+    if n == 1:
+        one(0)
+    else:
+        threads = [threading.Thread(target=one, args=(k,), name=f"autoopt-{op}-s{k}")
+                   for k in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    _finish_op(state, op, results, ledger)
+
+
+def _finish_op(state: RunState, op: str, results: list[Any], ledger: Ledger) -> None:
+    failed = [r for r in results if isinstance(r, BaseException)]
+    sessions = [{"session": k, "stop_reason": r.stop_reason, "attempts": len(r.attempts),
+                 **{key: v for key, v in r.summary.items() if key != "stop_reason"}}
+                for k, r in enumerate(results) if not isinstance(r, BaseException)]
+    if failed and not sessions:
+        e = failed[0]
         state.update_op(op, status="error", stop_reason=f"{type(e).__name__}: {e}")
         say(f"{op}: session failed: {type(e).__name__}: {e}")
         return
-    state.update_op(op, status="done", stop_reason=result.stop_reason,
-                    session={k: v for k, v in result.summary.items() if k != "stop_reason"})
-    say(f"{op}: done ({result.stop_reason})")
+    stop = "; ".join(sorted({s["stop_reason"] for s in sessions}))
+    state.update_op(op, status="done", stop_reason=stop,
+                    session=sessions[0] if len(sessions) == 1 else {"sessions": sessions})
+    state.update(costs=ledger.to_json())
+    say(f"{op}: done ({stop})")

@@ -1,10 +1,17 @@
 """The harness side of an optimize session: evaluate each proposal and register winners.
 
-`HarnessEvaluator.evaluate` writes the proposal to the run directory, verifies it in the
-sandbox (`autoopt.eval.verify`, once per distinct config it would run with), times it against the
-reference and the current selection (`autoopt.eval.timing.bench_op`, sandboxed), records the
-attempt (checkpointed by the loop) and, when it wins, registers it as a new immutable variant
-with its record, tuned configs and a NOTES.md entry.
+`HarnessEvaluator.evaluate` writes the proposal to the run directory and sends an `EvalJob` to
+the run's evaluation farm (autoopt/farm: a thread here, a worker process per GPU, or a Ray task
+on one GPU): the job verifies the candidate in the sandbox (`autoopt.eval.verify`, once per
+distinct config it would run with; a CuTe DSL submission is compiled by the registry's CuTe
+check first) and, on a GPU, times it and the current selection back to back on that GPU
+(`autoopt.eval.bench.bench_op`). The verdict, the decision and every registry write happen
+here, in the head: the attempt is recorded (checkpointed by the loop) and, when it wins,
+registered as a new immutable variant with its record, tuned configs and a NOTES.md entry.
+Several sessions of one op share an evaluator (threads); attempt numbers are handed out under
+a lock. The tools of the Claude agent go the same way: `check` (one small shape against the
+reference) and `profile` (Nsight Compute metrics of a verified candidate) are jobs too, and
+`read_variant` reads the registry.
 
 When a verified candidate wins (the rule the report states):
 - On a GPU, its speedup over the current selection (geometric mean over the bench shapes: one
@@ -14,9 +21,10 @@ When a verified candidate wins (the rule the report states):
 - On the CPU (the Triton interpreter), timings cannot judge anything: nothing is timed, neither
   the tuning trials nor the candidate; every verified candidate is registered as a `candidate`
   (speed not judged), never accepted or locked, and the report says so.
-Tuning trials of the built-in templates (the project's own code, not an agent's) are timed
-in-process with the harness's `time_callable` (GPU only); everything an agent wrote runs only in
-the sandbox. A verification's child process is bounded by the op's deadline.
+Tuning trials of trusted proposals (the built-in templates: the project's own code, not an
+agent's) are timed in-process on a worker with the harness's `time_callable` (GPU only);
+everything an agent wrote runs only in the sandbox. A verification's child process is bounded
+by the op's deadline.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from autoopt.agents.base import Attempt, Feedback, OptimizationTask, Proposal
+from autoopt.farm.jobs import CheckJob, EvalJob, ProfileJob, TuneJob, bucket
 
 MIN_GAIN = 0.02  # 2%: below this a "win" is not worth a new variant even with tight timings
 DEADLINE_GRACE_S = 15.0
@@ -41,10 +50,6 @@ _SLUG = re.compile(r"[^A-Za-z0-9_]+")
 def slug(text: str, default: str = "v") -> str:
     s = _SLUG.sub("_", text).strip("_").lower()[:32]
     return s if s and not s[0].isdigit() else f"{default}_{s}" if s else default
-
-
-def bucket(shape: Mapping[str, int]) -> str:
-    return f"T={int(shape['T'])}"
 
 
 @dataclass
@@ -74,25 +79,41 @@ class RunContext:
 
 
 class HarnessEvaluator:
-    """Evaluates the proposals of one op's session on one device (one worker)."""
+    """Evaluates the proposals of one op's sessions on the run's farm."""
 
     def __init__(self, ctx: RunContext, task: OptimizationTask, device: str,
                  bench_shapes: Sequence[Mapping[str, int]],
                  record: Callable[[str, Attempt, dict], None],
                  verify_shapes: Sequence[Mapping[str, int]] | None = None,
-                 deadline: float | None = None, hard_deadline: float | None = None) -> None:
+                 deadline: float | None = None, hard_deadline: float | None = None,
+                 farm: Any = None, ledger: Any = None) -> None:
         self.ctx, self.task, self.device = ctx, task, device
         self.deadline, self.hard_deadline = deadline, hard_deadline
         self.bench_shapes = [dict(s) for s in bench_shapes]
         self.verify_shapes = [dict(s) for s in verify_shapes] if verify_shapes else None
         self.record = record
         self.op_dir = ctx.run_dir / "ops" / task.op
-        self._baseline: list[dict] | None = None
-        self._sets: dict[str, list[tuple]] = {}
+        if farm is None:
+            from autoopt.farm.local import InlineFarm
+
+            farm = InlineFarm(device)
+        self.farm, self.ledger = farm, ledger
+        self._base: tuple[str | None, dict] | None = None
+        self._lock = threading.Lock()
+        self._issued = 0
 
     # ---- one proposal -----------------------------------------------------------------------
+    def _index(self, index: int | None) -> int:
+        with self._lock:
+            self._issued = max(self._issued, len(self.task.attempts))
+            if index is None:
+                self._issued += 1
+                return self._issued
+            self._issued = max(self._issued, index)
+            return index
+
     def evaluate(self, proposal: Proposal, index: int | None = None) -> Feedback:
-        index = index or len(self.task.attempts) + 1
+        index = self._index(index)
         stem = f"a{index:02d}_{slug(proposal.name_hint)}"
         cand_dir = self.op_dir / "candidates"
         cand_dir.mkdir(parents=True, exist_ok=True)
@@ -103,12 +124,15 @@ class HarnessEvaluator:
         timings: tuple[dict, ...] = ()
         speedup, outcome, detail = None, "", ""
         try:
-            reasons, reports = self._verify(path, proposal)
+            lang, why = self.language(proposal)
+            res = ({"reasons": [why], "reports": [], "rows": [], "baseline_rows": []} if why
+                   else self._run(self._eval_job(stem, proposal, lang)))
+            reasons, reports = list(res["reasons"]), res["reports"]
             (cand_dir / f"{stem}.verify.json").write_text(json.dumps(reports, default=str))
             verdict = "reject" if reasons else "pass"
             if verdict == "pass" and self.ctx.meaningful:
-                timings, speedup, bench_rows = self._bench(path, proposal)
-                outcome = self._decide(path, proposal, sha, reports, bench_rows, timings,
+                timings, speedup = self._timings(res["rows"], res["baseline_rows"])
+                outcome = self._decide(path, proposal, sha, reports, res["rows"], timings,
                                        speedup)
             elif verdict == "pass":  # CPU: verified only; nothing is timed
                 outcome = self._decide(path, proposal, sha, reports, [], (), None)
@@ -123,6 +147,26 @@ class HarnessEvaluator:
         self.record(self.task.op, attempt, {**proposal.to_dict(), "file": str(path)})
         return Feedback(attempt, detail)
 
+    def language(self, proposal: Proposal) -> tuple[str, str | None]:
+        """(the source's declared language, why it cannot be submitted as proposed or None)."""
+        from autoopt.farm.languages import declared
+
+        lang, err = declared(proposal.source)
+        if err:
+            return "triton", f"declarations: {err}"
+        if proposal.language and proposal.language != lang:
+            return lang, (f"submitted as {proposal.language} but the module declares LANGUAGE "
+                          f"= {lang!r} (absent means triton): add `LANGUAGE = "
+                          f"\"{proposal.language}\"` at its top level, or submit it as {lang}")
+        return lang, None
+
+    def _run(self, job: Any) -> dict:
+        res = self.farm.submit(job).result()
+        if self.ledger is not None:
+            self.ledger.device_job(res.get("worker", "?"), res.get("kind", job.kind),
+                                   res.get("device_s", 0.0))
+        return res
+
     def _configs_to_verify(self, proposal: Proposal) -> list[dict | None]:
         if proposal.configs:
             distinct: list[dict | None] = []
@@ -132,25 +176,18 @@ class HarnessEvaluator:
             return distinct
         return [dict(proposal.config) if proposal.config else None]
 
-    def _verify(self, path: Path, proposal: Proposal) -> tuple[list[str], list[dict]]:
-        from autoopt.eval.shapes import default_shapes
-        from autoopt.eval.verify import verify_variant
-
-        tokens = self.ctx.verify_tokens or None
-        shapes = self.verify_shapes or _merge(default_shapes(self.task.op, self.device, tokens),
-                                              self.bench_shapes)
-        reasons, reports = [], []
-        configs = self._configs_to_verify(proposal)
-        for cfg in configs:
-            rep = verify_variant(self.task.op, path, device=self.device,
-                                 seeds=self.ctx.verify_seeds, shapes=shapes, config=cfg,
-                                 timeout_s=self.timeout_s())
-            reports.append(rep.to_dict())
-            if not rep.passed:
-                where = f"with config {cfg}: " if len(configs) > 1 else ""
-                reasons += [where + r for r in rep.reasons]
-                break  # the first failing config is enough evidence
-        return reasons, reports
+    def _eval_job(self, stem: str, proposal: Proposal, language: str) -> EvalJob:
+        base_source, base_per = self.baseline_spec() if self.ctx.meaningful else (None, {})
+        return EvalJob(
+            op=self.task.op, name=stem, source=proposal.source,
+            configs=tuple(self._configs_to_verify(proposal)),
+            per_bucket=self._per_bucket(proposal), bench_shapes=tuple(self.bench_shapes),
+            verify_shapes=tuple(self.verify_shapes or ()),
+            verify_seeds=len(self.ctx.verify_seeds), verify_tokens=tuple(self.ctx.verify_tokens),
+            timed=self.ctx.meaningful, baseline_name=self.task.current_name,
+            baseline_source=base_source, baseline_per_bucket=base_per, language=language,
+            compile=self.ctx.compile, warmup=self.ctx.bench_warmup, iters=self.ctx.bench_iters,
+            timeout_s=self.timeout_s())
 
     def timeout_s(self) -> float:
         """A verification child's limit: the run's, cut at the op's deadline plus a grace (a
@@ -164,23 +201,6 @@ class HarnessEvaluator:
         return max(5.0, limit)
 
     # ---- timing -------------------------------------------------------------------------------
-    def _bench_variant(self, path: Path, per_bucket: Mapping[str, Mapping | None]) -> list[dict]:
-        from autoopt.eval.timing import bench_op
-
-        groups: dict[str, list[dict]] = {}
-        for shape in self.bench_shapes:
-            cfg = per_bucket.get(bucket(shape))
-            groups.setdefault(json.dumps(cfg, sort_keys=True), []).append(shape)
-        rows = []
-        for key, shapes in groups.items():
-            cfg = json.loads(key)
-            for row in bench_op(self.task.op, path, shapes, self.device, compile=self.ctx.compile,
-                                config=cfg, warmup=self.ctx.bench_warmup,
-                                iters=self.ctx.bench_iters):
-                rows.append({**row.to_dict(), "config": cfg})
-        order = [json.dumps(s, sort_keys=True) for s in self.bench_shapes]
-        return sorted(rows, key=lambda r: order.index(json.dumps(r["shape"], sort_keys=True)))
-
     def _per_bucket(self, proposal: Proposal) -> dict[str, Mapping | None]:
         out = {}
         for shape in self.bench_shapes:
@@ -188,85 +208,88 @@ class HarnessEvaluator:
             out[b] = (proposal.configs or {}).get(b) or proposal.config
         return out
 
-    def baseline(self) -> list[dict]:
-        """Timings of the current selection at the bench shapes (the reference's when none)."""
-        if self._baseline is None:
+    def baseline_spec(self) -> tuple[str | None, dict]:
+        """(source, per-bucket configs) of the current selection; (None, {}): the reference."""
+        if self._base is None:
             name = self.task.current_name
             if name == "reference":
-                self._baseline = []
+                self._base = (None, {})
             else:
                 from model.registry.configs import fixed_dims
 
                 reg, op = self.ctx.registry, self.task.op
                 tuned = reg.read_configs(op, name)
-                path = reg.variant_path(op, name)
                 per = {bucket(s): tuned.lookup(self.ctx.gpu, fixed_dims(op, s), int(s["T"]))
                        for s in self.bench_shapes}
-                self._baseline = self._bench_variant(path, per)
-        return self._baseline
+                self._base = (reg.read_variant(op, name)[1].decode(), per)
+        return self._base
 
-    def _bench(self, path: Path, proposal: Proposal) -> tuple[tuple[dict, ...], float, list]:
-        rows = self._bench_variant(path, self._per_bucket(proposal))
-        base = self.baseline()
-        timings, ratios, noise = [], [], []
+    def _timings(self, rows: list[dict], base: list[dict]) -> tuple[tuple[dict, ...], float]:
+        timings, ratios = [], []
         for k, row in enumerate(rows):
             b = base[k] if k < len(base) else None
             base_us = b["median_us"] if b else row["reference_us"]
             base_iqr = b["iqr_us"] if b else 0.0
             ratios.append(base_us / max(row["median_us"], 1e-9))
-            noise.append(row["iqr_us"] / max(row["median_us"], 1e-9)
-                         + base_iqr / max(base_us, 1e-9))
+            noise = (row["iqr_us"] / max(row["median_us"], 1e-9)
+                     + base_iqr / max(base_us, 1e-9))
             timings.append({"shape": row["shape"], "median_us": row["median_us"],
                             "iqr_us": row["iqr_us"], "reference_us": row["reference_us"],
                             "baseline_us": base_us, "baseline": self.task.current_name,
                             "x_reference": row["x_reference"], "x_compile": row["x_compile"],
                             "pct_of_floor": row["pct_of_floor"], "floor_ok": row["floor_ok"],
-                            "config": row.get("config"), "noise": noise[-1]})
+                            "config": row.get("config"), "noise": noise})
         speedup = math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else 0.0
-        return tuple(timings), speedup, rows
+        return tuple(timings), speedup
 
     def time_configs(self, proposal: Proposal, configs: Sequence[Mapping[str, Any]],
                      shape: Mapping[str, int]) -> list[float | None]:
-        """In-process timing for template tuning (trusted, built-in template code only)."""
-        from autoopt.eval.candidates import load_variant
-        from autoopt.eval.timing import time_callable
-        from model.ops import contract
-
-        if proposal.meta.get("agent") != "template":
-            raise PermissionError("in-process config timing is only for the built-in templates; "
-                                  "an agent's code runs in the sandbox")
+        """Timing of a trusted proposal's configs on a worker, in-process (template tuning)."""
+        if not proposal.trusted:
+            raise PermissionError("in-process config timing is only for trusted code (the "
+                                  "built-in templates); an agent's code runs in the sandbox")
         if not self.ctx.meaningful:
             # The Triton interpreter's times say nothing about a config: none is timed, every
             # trial is a failed one, and the template keeps its default config.
             return [None] * len(configs)
-        tune = self.op_dir / "tuning"
-        tune.mkdir(parents=True, exist_ok=True)
-        path = tune / f"{slug(proposal.name_hint)}.py"
-        if not path.is_file() or path.read_text() != proposal.source:
-            path.write_text(proposal.source)
-        variant = load_variant(path)
-        sets = self._input_sets(contract(self.task.op), shape)
-        out: list[float | None] = []
-        for cfg in configs:
-            try:
-                t = time_callable(lambda *a, cfg=dict(cfg): variant.run(*a, config=cfg), sets,
-                                  device=self.device, warmup=2, iters=self.ctx.tune_iters)
-                out.append(t.median_us)
-            except Exception:  # noqa: BLE001 - a config that does not run is a failed trial
-                out.append(None)
-        return out
+        job = TuneJob(op=self.task.op, name=f"tune_{slug(proposal.name_hint)}",
+                      source=proposal.source, configs=tuple(dict(c) for c in configs),
+                      shape=dict(shape), iters=self.ctx.tune_iters)
+        return list(self._run(job)["us"])
 
-    def _input_sets(self, c: Any, shape: Mapping[str, int]) -> list[tuple]:
-        """Rotating input sets for one shape, made once and reused by every trial there."""
-        from autoopt.eval.timing import H200_L2_BYTES, sets_needed, tensor_bytes
+    # ---- the agent's tools --------------------------------------------------------------------
+    def check(self, proposal: Proposal, shape: Mapping[str, int] | None = None) -> str:
+        from autoopt.farm.check import format_check
 
-        key = json.dumps(dict(shape), sort_keys=True)
-        if key not in self._sets:
-            first = c.make_inputs(dict(shape), 1000, self.device)
-            n = sets_needed(tensor_bytes(first), H200_L2_BYTES) if self.ctx.meaningful else 1
-            self._sets[key] = [first] + [c.make_inputs(dict(shape), 1000 + k, self.device)
-                                         for k in range(1, n)]
-        return self._sets[key]
+        lang, why = self.language(proposal)
+        if why:
+            return f"not checked: {why}"
+        shape = dict(shape) if shape else min(self.bench_shapes, key=lambda s: int(s["T"]))
+        job = CheckJob(op=self.task.op, name=f"check_{slug(proposal.name_hint)}",
+                       source=proposal.source, shape=shape, config=proposal.config,
+                       language=lang, timeout_s=min(120.0, self.timeout_s()))
+        return format_check(self._run(job))
+
+    def profile(self, proposal: Proposal) -> str:
+        from autoopt.farm.profile import format_profile
+
+        job = ProfileJob(op=self.task.op, name=f"profile_{slug(proposal.name_hint)}",
+                         source=proposal.source, shapes=tuple(self.bench_shapes),
+                         per_bucket=self._per_bucket(proposal),
+                         timeout_s=min(300.0, self.timeout_s()))
+        return format_profile(self._run(job))
+
+    def read_variant(self, op: str, name: str) -> tuple[str, bool]:
+        reg = self.ctx.registry
+        known = reg.variants(op) if (reg.root / op).is_dir() else []
+        if name not in known:
+            return (f"no registered variant {op}/{name}; {op} has: "
+                    f"{', '.join(known) or 'none (its baseline is the reference)'}"), True
+        _, data = reg.read_variant(op, name)
+        rec = reg.read_record(op, name)
+        record = json.dumps(rec.to_json(), indent=1, default=str)[:20_000] if rec else "none"
+        return (f"{op}/{name} (status {rec.status if rec else 'unknown'})\n\n{data.decode()}"
+                f"\n\nrecord:\n{record}"), False
 
     # ---- the decision -------------------------------------------------------------------------
     def _decide(self, path: Path, proposal: Proposal, sha: str, reports: list[dict],

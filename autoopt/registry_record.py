@@ -18,13 +18,14 @@ from typing import Any
 from model.registry import Record, Registry, Verification, current_arch, writers
 
 
-def verify(op: str, path: Path, device: str, seeds: Sequence[int],
-           shapes: list[dict] | None = None, timeout_s: float = 600) -> dict[str, Any]:
-    """The judge's report on `path` (a dict); shapes None: the judge's defaults."""
+def verify(op: str, path: Path, device: str, seeds: int, shapes: list[dict] | None = None,
+           timeout_s: float = 600, target: str | None = None) -> dict[str, Any]:
+    """The judge's report on `path` (a dict): `seeds` secret seeds per shape; shapes None: the
+    judge's defaults; `target` sets the GPU widths and token buckets."""
     from autoopt.eval import verify_variant
 
-    return verify_variant(op, path, device=device, seeds=list(seeds), shapes=shapes,
-                          timeout_s=timeout_s).to_dict()
+    return verify_variant(op, path, device=device, seeds=seeds, shapes=shapes,
+                          timeout_s=timeout_s, target=target).to_dict()
 
 
 def bench_plan(op: str, device: str, target: str | None = None,
@@ -75,7 +76,7 @@ class RecordArgs:
     op: str
     variant: str
     device: str = "auto"
-    seeds: tuple[int, ...] = (0, 1, 2)
+    seeds: int = 3
     tokens: tuple[int, ...] = ()
     target: str | None = None
     bench: bool = True
@@ -92,12 +93,18 @@ def record_variant(reg: Registry, args: RecordArgs) -> tuple[Record, dict, list[
     from autoopt.eval.commands import resolve_device
 
     device = resolve_device(args.device)
-    reg.read_variant(args.op, args.variant)  # exists and is a safe file, or a clear error
+    variant = reg.read_variant(args.op, args.variant)[0]  # a safe file, or a clear error
+    arch = current_arch(device)
+    if (arch == "cpu" and not variant.runs_on_cpu) or (variant.archs and arch not in
+                                                       variant.archs and arch != "cpu"):
+        raise ValueError(f"{args.op}/{args.variant} ({variant.language}) runs on "
+                         f"{', '.join(variant.archs or ['GPUs'])} only, not on {arch}: record it "
+                         "on such a GPU (--device cuda there)")
     path = reg.variant_path(args.op, args.variant)
     from autoopt.eval import default_shapes
 
     shapes = default_shapes(args.op, device, list(args.tokens) or None)
-    report = verify(args.op, path, device, args.seeds, shapes, args.timeout_s)
+    report = verify(args.op, path, device, args.seeds, shapes, args.timeout_s, args.target)
     rows: list[dict] = []
     if args.bench and report.get("verdict") == "pass":
         plan = bench_plan(args.op, device, args.target, args.tokens or None)

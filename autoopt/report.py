@@ -230,6 +230,7 @@ def write_report(state: Any, ctx: Any) -> Path:
         reason = (r["reasons"] or [""])[0].replace("|", "/")[:140]
         lines.append(f"| {r['op']} | {r['index']} | {r['candidate']} | {r['verdict']} | "
                      f"{_fmt(r['speedup'], '.3g')} | {r['outcome']} | {reason} |")
+    lines += ["", "## Cost", ""] + cost_lines(d.get("costs"))
     lines += ["", "## End-to-end check (bench model)", ""] + _e2e_lines(d.get("e2e"))
     if (d.get("e2e") or {}).get("png"):
         plots["bench_model"] = Path(d["e2e"]["png"])
@@ -241,6 +242,35 @@ def write_report(state: Any, ctx: Any) -> Path:
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def cost_lines(costs: dict | None) -> list[str]:
+    """What the run spent: per agent session, API calls, tokens and USD (priced per model from
+    the API's usage fields); per evaluation worker, jobs and device seconds."""
+    from .budget import Ledger
+
+    ledger = Ledger(costs)
+    t = ledger.totals()
+    out = [f"Total: ${t['usd']:.4f} for {t['calls']} API call(s) ({t['input_tokens']:,} input, "
+           f"{t['output_tokens']:,} output, {t['cache_creation_input_tokens']:,} cache-write, "
+           f"{t['cache_read_input_tokens']:,} cache-read tokens); {t['device_s']:.1f} s of "
+           f"device time over {t['jobs']} job(s) on {t['workers']} worker(s).", ""]
+    if ledger.api:
+        out += ["| session | model | calls | input | output | cache write | cache read | USD |",
+                "|---|---|---:|---:|---:|---:|---:|---:|"]
+        out += [f"| {k} | {r['model']} | {r['calls']} | {r['input_tokens']:,} | "
+                f"{r['output_tokens']:,} | {r['cache_creation_input_tokens']:,} | "
+                f"{r['cache_read_input_tokens']:,} | {r['usd']:.4f} |"
+                for k, r in sorted(ledger.api.items())]
+        out.append("")
+    if ledger.device:
+        out += ["| worker | jobs | device s | by kind |", "|---|---:|---:|---|"]
+        out += [f"| {w} | {r['jobs']} | {r['seconds']:.1f} | " + ", ".join(
+                    f"{k} {b['jobs']} ({b['seconds']:.1f} s)" for k, b in
+                    sorted(r["by_kind"].items())) + " |"
+                for w, r in sorted(ledger.device.items())]
+    out += [f"- lost worker: {line}" for line in ledger.lost]
+    return out
 
 
 def _plan_lines(plan: dict | None) -> list[str]:

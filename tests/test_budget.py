@@ -86,7 +86,7 @@ def test_the_loop_keeps_its_budget_with_stubbed_stages(tmp_path, monkeypatch):
                               "by_batch": {"3": {"rows": rows, "step_us": 10.0,
                                                  "floor_us": 1.0}}})
 
-    def one_op(args, agent, ctx, state, op, device, deadline, console, end=None):
+    def one_op(args, agent, ctx, state, op, deadline, console, end=None, *farm_ledger):
         assert end == ends_box[0]
         calls["ops"].append((op, clock.now, deadline))
         clock.now = deadline  # every session uses all of its time

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -29,27 +28,49 @@ def test_parse_budget_rejects_nonsense():
         parse_budget("soon")
 
 
+class ScriptedFarm:
+    """A farm whose eval jobs pass verification and return scripted bench rows."""
+
+    kind = "scripted"
+    workers = ["scripted"]
+
+    def __init__(self, cand_us: float, base_iqr: float, floor_ok: bool) -> None:
+        self.cand_us, self.base_iqr, self.floor_ok = cand_us, base_iqr, floor_ok
+        self.jobs: list = []
+        self.fail: Exception | None = None
+
+    def submit(self, job):
+        from concurrent.futures import Future
+
+        self.jobs.append(job)
+        fut = Future()
+        if self.fail is not None:
+            fut.set_exception(self.fail)
+            return fut
+        rows = [{"shape": {"T": t, "I": 2560}, "median_us": self.cand_us,
+                 "iqr_us": self.base_iqr, "reference_us": 10.0,
+                 "x_reference": 10.0 / self.cand_us, "x_compile": None, "pct_of_floor": 50.0,
+                 "floor_ok": self.floor_ok, "meaningful": True,
+                 "config": job.per_bucket.get(f"T={t}")} for t in (1, 8)]
+        fut.set_result({"reasons": [], "reports": [{"verdict": "pass", "device": "cuda:0"}],
+                        "rows": rows, "baseline_rows": [], "device_s": 1.5, "kind": job.kind,
+                        "worker": "host/cuda:0"})
+        return fut
+
+
 def _gpu_evaluator(tmp_path, monkeypatch, cand_us: float, base_iqr: float = 0.1,
                    floor_ok: bool = True, auto_accept: bool = True):
     """A harness on an sm_90 context whose verification passes and whose bench is scripted."""
     _, task, _, recorded = harness(tmp_path, "swiglu")
+    from autoopt.budget import Ledger
     from model.registry import Registry
 
     ctx = RunContext(run_dir=tmp_path / "run", registry=Registry(tmp_path / "reg"),
                      target=load_target("h200-tp8-decode"), arch="sm_90", gpu="NVIDIA H200",
                      auto_accept=auto_accept)
+    farm = ScriptedFarm(cand_us, base_iqr, floor_ok)
     ev = HarnessEvaluator(ctx, task, "cuda:0", [{"T": 1, "I": 2560}, {"T": 8, "I": 2560}],
-                          lambda *a: recorded.append(a))
-    monkeypatch.setattr(ev, "_verify", lambda path, p: ([], [{"verdict": "pass",
-                                                            "device": "cuda:0"}]))
-
-    def bench(path, per_bucket):
-        return [{"shape": {"T": t, "I": 2560}, "median_us": cand_us, "iqr_us": base_iqr,
-                 "reference_us": 10.0, "x_reference": 10.0 / cand_us, "x_compile": None,
-                 "pct_of_floor": 50.0, "floor_ok": floor_ok, "meaningful": True,
-                 "config": per_bucket.get(f"T={t}")} for t in (1, 8)]
-
-    monkeypatch.setattr(ev, "_bench_variant", bench)
+                          lambda *a: recorded.append(a), farm=farm, ledger=Ledger())
     return ctx, ev
 
 
@@ -70,6 +91,16 @@ def test_gpu_winner_beyond_noise_is_accepted_and_locked(tmp_path, monkeypatch):
     assert list(configs["NVIDIA H200"].values())[0] == {"T=1": {"ROWS": 1}, "T=8": {"ROWS": 4}}
 
 
+def test_every_gpu_verdict_carries_its_per_shape_timings(tmp_path, monkeypatch):
+    _, ev = _gpu_evaluator(tmp_path, monkeypatch, cand_us=5.0)
+    text = ev.evaluate(_proposal()).to_text()
+    assert "speedup 2.000x (geometric mean over the shapes)" in text
+    for t in (1, 8):
+        assert (f"shape {{'T': {t}, 'I': 2560}}: 5.00 us +- 0.10 us (baseline reference "
+                "10.00 us, reference 10.00 us; 2.000x over the baseline, 50% of the floor's "
+                "speed)") in text
+
+
 def test_gpu_win_within_noise_is_not_registered(tmp_path, monkeypatch):
     # 3% faster but with 5% IQR: inside the noise, so not a win.
     ctx, ev = _gpu_evaluator(tmp_path, monkeypatch, cand_us=10.0 / 1.03, base_iqr=0.5)
@@ -86,15 +117,28 @@ def test_faster_than_the_floor_is_void(tmp_path, monkeypatch):
 
 def test_harness_failure_is_recorded_not_fatal(tmp_path, monkeypatch):
     _, ev = _gpu_evaluator(tmp_path, monkeypatch, cand_us=5.0)
-    monkeypatch.setattr(ev, "_verify", lambda *a: 1 / 0)
+    ev.farm.fail = ZeroDivisionError("division by zero")
     a = ev.evaluate(_proposal()).attempt
     assert a.verdict == "error" and "ZeroDivisionError" in a.reasons[0]
+
+
+def test_each_job_carries_what_it_needs_and_its_device_time_is_counted(tmp_path, monkeypatch):
+    _, ev = _gpu_evaluator(tmp_path, monkeypatch, cand_us=5.0)
+    ev.evaluate(_proposal())
+    (job,) = ev.farm.jobs
+    assert job.kind == "eval" and job.timed and job.source == _proposal().source
+    assert job.per_bucket == {"T=1": {"ROWS": 1}, "T=8": {"ROWS": 4}}
+    assert job.configs == ({"ROWS": 1}, {"ROWS": 4}) and job.baseline_source is None
+    assert ev.ledger.totals()["device_s"] == 1.5 and "host/cuda:0" in ev.ledger.device
 
 
 def test_agent_code_is_never_timed_in_process(tmp_path):
     _, _, ev, _ = harness(tmp_path, "swiglu")
     with pytest.raises(PermissionError, match="sandbox"):
-        ev.time_configs(Proposal(source="x", meta={"agent": "claude"}), [{}], {"T": 1, "I": 8})
+        ev.time_configs(Proposal(source="x", meta={"agent": "template"}), [{}],
+                        {"T": 1, "I": 8})
+    # Trusted (a built-in template): on the CPU nothing is timed, so every trial fails.
+    assert ev.time_configs(Proposal(source="x", trusted=True), [{}, {}], {"T": 1}) == [None] * 2
 
 
 def test_state_survives_a_line_cut_by_a_crash(tmp_path):
@@ -116,34 +160,35 @@ def test_state_survives_a_line_cut_by_a_crash(tmp_path):
         RunState.load(tmp_path)
 
 
-def _fake_one_op(args, agent, ctx, state, op, device, deadline, console, end=None):
-    state.update_op(op, status="done", device=device, pid=os.getpid(),
-                    visible=os.environ.get("CUDA_VISIBLE_DEVICES"), deadline=deadline)
+def _fake_one_op(args, agent, ctx, state, op, deadline, console, end=None, farm=None,
+                 ledger=None):
+    import threading
+
+    state.update_op(op, status="done", thread=threading.current_thread().name,
+                    workers=list(farm.workers), deadline=deadline)
 
 
-def test_one_worker_process_per_gpu_pinned_with_cuda_visible_devices(tmp_path, monkeypatch):
+def test_ops_run_as_many_at_a_time_as_there_are_workers(tmp_path, monkeypatch):
     ops = ["swiglu", "rmsnorm", "qk_norm_rope", "logit_softcap", "attn_output_gate"]
     st = RunState.create(tmp_path / "run", {"ops": []}, "cpu-tiny")
     st.set_ops([{"op": o} for o in ops])
     ctx = RunContext(run_dir=st.run_dir, registry=None, target=load_target("cpu-tiny"),
-                     arch="sm_90", gpu="NVIDIA H200")
-    monkeypatch.setattr(loop, "_devices", lambda ctx, device=None: ["cuda:0", "cuda:1"])
-    monkeypatch.setattr(loop, "_one_op", _fake_one_op)  # inherited by the forked workers
+                     arch="cpu", gpu="cpu")
+    monkeypatch.setattr(loop, "_one_op", _fake_one_op)
     agent = type("Stub", (), {"name": "template"})()
-    args = OptimizeArgs(target="cpu-tiny", budget_s=60)
+    args = OptimizeArgs(target="cpu-tiny", budget_s=60, workers=2)
     import time
 
-    loop._sessions(args, agent, ctx, st, loop.Console(), time.monotonic() + 60,
-                   mp_context="fork")
+    start = time.monotonic()
+    loop._sessions(args, agent, ctx, st, loop.Console(), start + 60)
+    st.reload()
     done = {o["op"]: o for o in st.data["ops"]}
-    assert all(done[o]["status"] == "done" for o in ops)  # every worker's writes merged
-    assert {done[o]["device"] for o in ops} == {"cuda:0"}  # each sees its GPU as cuda:0
-    assert {done[o]["visible"] for o in ops} <= {"0", "1"}
-    assert len({done[o]["pid"] for o in ops}) <= 2 and os.getpid() not in {
-        done[o]["pid"] for o in ops}
-    # Rounds of two: ops 0-1 get the first half of the budget, 2-3 the second, 4 the third.
-    dl = [done[o]["deadline"] for o in ops]
-    assert dl[0] == dl[1] < dl[2] == dl[3] < dl[4]
+    assert all(done[o]["status"] == "done" for o in ops)
+    assert {tuple(done[o]["workers"]) for o in ops} == {("cpu", "cpu")}
+    assert {done[o]["thread"] for o in ops} <= {"autoopt-op-0", "autoopt-op-1"}
+    # Rounds of two: each op, when it starts, gets an equal share per round of what is left.
+    assert all(done[o]["deadline"] <= start + 60 for o in ops)
+    assert st.data["costs"] == {"api": {}, "device": {}, "lost": []}
 
 
 def test_devices(monkeypatch):
@@ -154,6 +199,9 @@ def test_devices(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert loop._devices(ctx) == ["cuda:0", "cuda:1"]
     assert loop._devices(ctx, "cuda:1") == ["cuda:1"]
+    assert loop._devices(ctx, gpus=(1,)) == ["cuda:1"]
+    with pytest.raises(ValueError, match="GPUs 0..1"):
+        loop._devices(ctx, gpus=(2,))
     cpu = RunContext(run_dir=None, registry=None, target=load_target("cpu-tiny"), arch="cpu",
                      gpu="cpu")
     assert loop._devices(cpu) == ["cpu"]
@@ -194,11 +242,49 @@ def test_unknown_ops_fail_before_any_work(tmp_path):
 
 
 def test_deadlines_share_the_sessions_time_in_rounds():
-    from autoopt.loop import _deadline
+    from autoopt.loop import op_deadline
 
-    # 7 ops, one worker: op k's end is start + 100 (k + 1).
-    assert [_deadline(0.0, 700.0, k, 7, 1) for k in range(7)] == [100.0 * (k + 1)
-                                                                  for k in range(7)]
-    # Two workers: rounds of two ops share each 175 s slice.
-    assert [_deadline(0.0, 700.0, k, 7, 2) for k in range(4)] == [175.0, 175.0, 350.0, 350.0]
-    assert max(_deadline(0.0, 700.0, k, 7, 3) for k in range(7)) == 700.0  # never past the end
+    # 7 ops, one worker: the first gets a seventh of the time, at least its minimum.
+    assert op_deadline(0.0, 700.0, 7, 0.0) == 100.0
+    assert op_deadline(0.0, 700.0, 7, 150.0) == 150.0
+    # Two workers: 7 ops are 4 rounds, each op a quarter of what is left.
+    assert op_deadline(0.0, 700.0, 7, 0.0, slots=2) == 175.0
+    assert op_deadline(600.0, 700.0, 1, 0.0, slots=3) == 700.0  # never past the end
+    assert op_deadline(690.0, 700.0, 3, 0.0, min_start_s=20.0) is None
+
+
+def test_agents_declare_their_options_and_the_loop_passes_them_through():
+    from autoopt.agents import describe_options, parse_options
+
+    assert parse_options("template", {"trials": "16", "seed": 3}) == {"trials": 16, "seed": 3}
+    assert parse_options("claude", {"budget_usd": "2.5", "model": "claude-opus-5"}) == {
+        "budget_usd": 2.5, "model": "claude-opus-5"}
+    with pytest.raises(ValueError, match="has no option 'model'.*trials=8"):
+        parse_options("template", {"model": "x"})
+    with pytest.raises(ValueError, match="trials must be >= 0"):
+        parse_options("template", {"trials": "-1"})
+    assert "max_turns=40" in describe_options("claude")
+    args = OptimizeArgs(agent_options={"trials": 2})
+    assert loop.agent_options(args, "template") == {"trials": 2}
+    # Nothing in the loop names an agent.
+    import inspect
+
+    for mod in (loop, __import__("autoopt.loop_eval", fromlist=["x"])):
+        assert '"template"' not in inspect.getsource(mod)
+
+
+def test_cli_agent_options_are_listed_and_checked_before_any_work(tmp_path):
+    from typer.testing import CliRunner
+
+    from autoopt.cli import app
+
+    res = CliRunner().invoke(app, ["optimize", "--agent-option", "help"])
+    assert res.exit_code == 0 and "trials=8" in res.output and "max_turns=40" in res.output
+    runs = tmp_path / "runs"
+    res = CliRunner().invoke(app, ["optimize", "--target", "cpu-tiny", "--agent", "template",
+                                   "--model", "claude-opus-5", "--runs-dir", str(runs)])
+    assert res.exit_code == 2 and "has no option 'model'" in res.output
+    res = CliRunner().invoke(app, ["optimize", "--target", "cpu-tiny", "--agent", "template",
+                                   "-O", "trials", "--runs-dir", str(runs)])
+    assert res.exit_code == 2 and "KEY=VALUE" in res.output
+    assert not runs.exists()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,19 +57,37 @@ class Attempt:
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
     def summary(self) -> str:
-        """A few lines for a prompt or a tool result."""
+        """The verdict with its reasons, or per shape: time, baseline, speedup, share of floor."""
         head = f"attempt {self.index} ({self.candidate}): {self.verdict}"
         if self.verdict != "pass":
             return head + "".join(f"\n  - {r}" for r in self.reasons[:8])
-        lines = [head + (f", speedup {self.speedup:.3f}x" if self.speedup else "")]
+        lines = [head + (f", speedup {self.speedup:.3f}x (geometric mean over the shapes)"
+                         if self.speedup else "")]
         if not self.meaningful:
-            lines.append("  (CPU timings: not meaningful for speed)")
-        for t in self.timings[:8]:
-            lines.append(f"  shape {t.get('shape')}: {t.get('median_us', float('nan')):.2f} us "
-                         f"(baseline {t.get('baseline_us', float('nan')):.2f} us)")
+            lines.append("  (CPU: verified only, nothing timed; speed is judged on a GPU)")
+        for t in self.timings[:12]:
+            base = t.get("baseline_us")
+            ratio = base / t["median_us"] if base and t.get("median_us") else None
+            lines.append(
+                f"  shape {t.get('shape')}: {_us(t.get('median_us'))} +- {_us(t.get('iqr_us'))}"
+                f" (baseline {t.get('baseline', 'reference')} {_us(base)}, reference "
+                f"{_us(t.get('reference_us'))}; {_x(ratio)} over the baseline, "
+                f"{_pct(t.get('pct_of_floor'))} of the floor's speed)")
         if self.outcome:
             lines.append(f"  outcome: {self.outcome}")
         return "\n".join(lines)
+
+
+def _us(v: Any) -> str:
+    return "-" if v is None else f"{float(v):.2f} us"
+
+
+def _x(v: Any) -> str:
+    return "-" if v is None else f"{float(v):.3f}x"
+
+
+def _pct(v: Any) -> str:
+    return "-" if v is None else f"{float(v):.0f}%"
 
 
 @dataclass(frozen=True)
@@ -83,6 +102,10 @@ class Proposal:
     configs: Mapping[str, Mapping[str, Any]] | None = None  # tuned: shape bucket -> config
     parent: str | None = None  # variant it derives from
     meta: Mapping[str, Any] = field(default_factory=dict)  # model, prompt hash, template, ...
+    language: str | None = None  # declared by the submission; must match the file's LANGUAGE
+    # The project's own code (a built-in template), which the harness may time in-process on a
+    # worker to tune it; an agent that passes on model-written code never sets it.
+    trusted: bool = False
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -119,6 +142,28 @@ class OptimizationTask:
     profile_row: dict = field(default_factory=dict)
     floor_us: float | None = None
     attempts: list[Attempt] = field(default_factory=list)
+    # Sessions of one op run on threads and share the attempts; claims keep them within limits.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _claimed: int = field(default=-1, repr=False, compare=False)
+
+    def claim(self, limit: int) -> bool:
+        """Reserve one of the op's `limit` proposals (attempts already made count)."""
+        with self._lock:
+            if self._claimed < 0:
+                self._claimed = len(self.attempts)
+            if self._claimed >= limit:
+                return False
+            self._claimed += 1
+            return True
+
+    def release(self) -> None:
+        """Give back a claim that made no proposal."""
+        with self._lock:
+            self._claimed -= 1
+
+    def add_attempt(self, attempt: Attempt) -> None:
+        with self._lock:
+            self.attempts.append(attempt)
 
     @classmethod
     def build(cls, op: str, *, hardware: Mapping[str, Any], shapes: Sequence[Mapping],
@@ -174,8 +219,16 @@ class Evaluator(Protocol):
 
     def time_configs(self, proposal: Proposal, configs: Sequence[Mapping[str, Any]],
                      shape: Mapping[str, int]) -> list[float | None]:
-        """Harness timing (median µs) of the proposal's source under each config at one shape;
-        None where a config fails to run."""
+        """Harness timing (median µs) of a trusted proposal's source under each config at one
+        shape; None where a config fails to run (or nothing is timed, on a CPU)."""
+
+    def check(self, proposal: Proposal, shape: Mapping[str, int] | None = None) -> str:
+        """Compile and run one small shape against the reference; the first mismatches or the
+        compiler's error, as text. Not a submission: nothing is recorded."""
+
+    def profile(self, proposal: Proposal) -> str:
+        """Nsight Compute metrics of a verified proposal's kernels at the bench shapes, as text
+        (a plain message where there is no GPU or no ncu)."""
 
 
 class Session(Protocol):
@@ -193,8 +246,39 @@ class Session(Protocol):
 class Limits:
     """What one session may spend; the loop checks these between proposals."""
 
-    max_candidates: int = 4
+    max_candidates: int = 4  # per session
     deadline: float | None = None  # time.monotonic() value
+    op_candidates: int | None = None  # all sessions of the op together (None: max_candidates)
+
+    def __post_init__(self) -> None:
+        if self.max_candidates < 1 or (self.op_candidates is not None
+                                       and self.op_candidates < 1):
+            raise ValueError("max_candidates and op_candidates must be >= 1")
+
+
+class UsageSink(Protocol):
+    """Where sessions report what they spend (the run's ledger, autoopt/budget.py)."""
+
+    def api_call(self, session: str, model: str, usage: Mapping[str, Any], usd: float) -> None:
+        ...
+
+    def usd(self) -> float:
+        ...
+
+
+@dataclass(frozen=True)
+class SessionContext:
+    """Which of an op's sessions this is: sessions of one op differ by seed or strategy."""
+
+    index: int = 0
+    count: int = 1
+    seed: int = 0
+    name: str = "s0"  # the session's key in the run's accounting
+    ledger: UsageSink | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"session index {self.index} is outside 0..{self.count - 1}")
 
 
 class Agent(Protocol):
@@ -204,8 +288,8 @@ class Agent(Protocol):
         """Whether this agent can propose anything for `op`."""
 
     def start(self, task: OptimizationTask, evaluator: Evaluator, workdir: Path,
-              limits: Limits) -> Session:
-        """Open a session for `task`; `workdir` is this op's directory in the run dir."""
+              limits: Limits, context: SessionContext | None = None) -> Session:
+        """Open a session for `task`; `workdir` is this session's directory in the run dir."""
 
 
 @dataclass
@@ -218,28 +302,36 @@ class SessionResult:
 
 
 def run_session(agent: Agent, task: OptimizationTask, evaluator: Evaluator, workdir: Path,
-                limits: Limits, clock: Any = None) -> SessionResult:
-    """Drive one session: propose, evaluate, feed the verdict back, until done or out of budget."""
+                limits: Limits, clock: Any = None,
+                context: SessionContext | None = None) -> SessionResult:
+    """Drive one session: propose, evaluate, feed the verdict back, until done or out of budget.
+    Several sessions of one op may run at once on threads, sharing `task` and `evaluator`."""
     import time
 
     now = clock or time.monotonic
-    session = agent.start(task, evaluator, workdir, limits)
+    context = context or SessionContext()
+    session = agent.start(task, evaluator, workdir, limits, context)
     feedback: Feedback | None = None
     made: list[Attempt] = []
     stop = "agent finished"
+    op_limit = limits.op_candidates or limits.max_candidates
     try:
         while True:
-            if len(task.attempts) >= limits.max_candidates:
+            if len(made) >= limits.max_candidates:
                 stop = f"max candidates ({limits.max_candidates}) reached"
                 break
             if limits.deadline is not None and now() >= limits.deadline:
                 stop = "time budget spent"
                 break
+            if not task.claim(op_limit):
+                stop = f"max candidates for the op ({op_limit}) reached"
+                break
             proposal = session.propose(feedback)
             if proposal is None:
+                task.release()
                 break
             feedback = evaluator.evaluate(proposal)
-            task.attempts.append(feedback.attempt)
+            task.add_attempt(feedback.attempt)
             made.append(feedback.attempt)
     finally:
         summary = session.close() or {}

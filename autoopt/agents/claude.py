@@ -1,22 +1,33 @@
-"""The Claude agent: a Messages API tool-use loop in which the harness answers `submit_variant`.
+"""The Claude agent: a Messages API tool-use loop in which the harness answers the tools.
 
-The model reads the contract, reference, current best, profile and numerics notes through tools,
-and submits complete variant sources. Each `submit_variant` call ends `propose()` with a
-`Proposal`; the loop has the harness verify and time it, and the verdict (with the rejection
-reasons or the timings) goes back to the model as that call's tool result on the next
-`propose(feedback)`. The model never judges its own work.
+The model reads the contract, reference, current best, any registered variant, the profile and
+the numerics notes through tools; checks a module at one small shape (`check_candidate`: the
+compiler's error or the first mismatches, not a submission); asks for Nsight Compute metrics of
+its last verified submission (`profile_candidate`); and submits complete variant sources in
+Triton or CuTe DSL (`submit_variant`, the language declared per submission; tools.py). Each
+`submit_variant` ends `propose()` with a `Proposal`; the loop has the harness verify and time
+it, and the verdict (the rejection reasons, or the time per shape against the baseline, the
+reference and the floor) goes back as that call's tool result on the next `propose(feedback)`.
+The model never judges its own work.
 
-Every request, reply, tool result and API error is appended to `<workdir>/transcript.jsonl`.
-The API key is read from `autoopt.env` only, handed to the SDK and never logged or written.
-API errors: the SDK retries (`sdk_retries`, honouring retry-after headers), then this module
-retries `api_retries` more times with exponential backoff, then the session ends cleanly with a
-stop reason: nothing is registered for a session that never submitted.
+Sessions of one op run at once on threads and share the agent, so the run's cost budget is
+shared: before each call the spend so far plus the calls in flight (each counted at the largest
+reply seen) must be under `budget_usd`; the budget can be passed by at most one reply per
+session running at once. Usage (input, output, cache writes and reads) is priced per model
+(`PRICES`) and reported to the run's ledger as each reply arrives.
+
+Every request, reply, tool result and API error is appended to `<workdir>/transcript.jsonl`;
+`transcript.py` replays a session from it without a key. The API key is read from `autoopt.env`
+only, handed to the SDK and never logged or written. API errors: the SDK retries
+(`sdk_retries`, honouring retry-after headers), then this module retries `api_retries` more
+times with exponential backoff, then the session ends cleanly with a stop reason: nothing is
+registered for a session that never submitted.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +36,9 @@ from typing import Any
 
 from autoopt import env
 
-from .base import PROMPTS, Feedback, OptimizationTask, Proposal, numerics_notes
+from .base import PROMPTS, Feedback, OptimizationTask, Proposal, SessionContext
+from .tools import TOOLS, answer, clip, proposal_from
+from .transcript import Transcript, TranscriptEnd
 
 DEFAULT_MODEL = "claude-sonnet-5-5"
 # USD per million tokens (input, output), by model-name prefix; longest prefix wins. Cache writes
@@ -44,7 +57,19 @@ PRICES: dict[str, tuple[float, float]] = {
 }
 _FALLBACK_PRICE = (15.0, 75.0)
 RETRYABLE = {408, 409, 429, 500, 502, 503, 504, 529}
-_MAX_TOOL_TEXT = 60_000
+USAGE_FIELDS = ("input_tokens", "output_tokens", "cache_creation_input_tokens",
+                "cache_read_input_tokens")
+# Sessions of one op start from different places (session k takes strategy k mod len).
+STRATEGIES = (
+    "Start from the current best (read_current_best, read_variant) and remove the largest cost "
+    "the profile shows; check_candidate before you submit.",
+    "Design a new fused kernel from the contract and the memory-traffic floor, not from the "
+    "current best; check_candidate before you submit.",
+    "Tune the launch: tile sizes, warps, stages, split-K and the grid per token bucket "
+    "(CONFIG_SPACE); profile_candidate after each verified submission to see what limits it.",
+    "On a GPU target, write it in CuTe DSL (LANGUAGE = \"cute\", precompile(arch) for the "
+    "compile check); elsewhere, a Triton kernel that minimises DRAM traffic.",
+)
 
 
 class MissingKeyError(RuntimeError):
@@ -81,131 +106,132 @@ def cost_usd(model: str, usage: Any) -> float:
             + get("cache_read_input_tokens") * p_in * 0.1) / 1e6
 
 
-def _schema(props: dict | None = None, required: tuple[str, ...] = ()) -> dict:
-    return {"type": "object", "properties": props or {}, "required": list(required)}
+class Spend:
+    """The run's spend on the API, shared by the sessions running at once (thread-safe)."""
 
+    def __init__(self, budget_usd: float, already: float = 0.0) -> None:
+        self.budget, self.spent = budget_usd, already
+        self.in_flight, self.largest = 0, 0.0
+        self._lock = threading.Lock()
 
-TOOLS: list[dict] = [
-    {"name": "read_contract", "description": "The op's signature, docstring, numerics policy, "
-     "shapes and hardware.", "input_schema": _schema()},
-    {"name": "read_reference", "description": "Source of the op's reference module (plain "
-     "PyTorch; the single source of truth).", "input_schema": _schema()},
-    {"name": "read_current_best", "description": "Source and evidence record of the variant "
-     "currently selected for this op (the one to beat).", "input_schema": _schema()},
-    {"name": "read_profile", "description": "The op's row of the target's profile (time, calls,"
-     " kernels, bytes, floor, gap) and earlier attempts.", "input_schema": _schema()},
-    {"name": "read_numerics_notes", "description": "Where the reference rounds, reduction "
-     "orders, Triton facts that matter.", "input_schema": _schema()},
-    {"name": "submit_variant", "description": "Submit a complete variant module. The harness "
-     "verifies and times it; the result is its verdict with reasons or timings.",
-     "input_schema": _schema({
-         "source": {"type": "string", "description": "the whole Python module"},
-         "name": {"type": "string", "description": "short name hint, e.g. rows4"},
-         "notes": {"type": "string", "description": "hypothesis -> prediction"},
-         "config": {"type": "object", "description": "optional config passed to run()"},
-     }, ("source",))},
-    {"name": "finish", "description": "End the session.",
-     "input_schema": _schema({"summary": {"type": "string"}})},
-]
+    def reserve(self) -> str | None:
+        """None: go ahead (one call now in flight); else why the budget is spent."""
+        with self._lock:
+            if self.spent + self.in_flight * self.largest >= self.budget:
+                return (f"cost budget spent (${self.spent:.2f} of ${self.budget:.2f}"
+                        + (f", {self.in_flight} call(s) in flight" if self.in_flight else "")
+                        + ")")
+            self.in_flight += 1
+            return None
 
-READERS: dict[str, Callable[[OptimizationTask], str]] = {
-    "read_contract": lambda t: t.contract_text(),
-    "read_reference": lambda t: t.reference_source,
-    "read_current_best": lambda t: (f"current selection: {t.current_name}\n\n{t.current_source}"
-                                    f"\n\nrecord:\n{json.dumps(t.current_record, indent=1)}"),
-    "read_profile": lambda t: f"{t.profile_text()}\n\nearlier attempts:\n{t.history_text()}",
-    "read_numerics_notes": lambda t: numerics_notes(),
-}
+    def settle(self, usd: float | None) -> None:
+        """A reserved call ended (None: it failed and cost nothing)."""
+        with self._lock:
+            self.in_flight -= 1
+            if usd is not None:
+                self.spent += usd
+                self.largest = max(self.largest, usd)
 
 
 class ClaudeAgent:
-    """Agent factory; holds the client and the run-wide cost."""
+    """Agent factory; holds the client and the run-wide spend."""
 
     name = "claude"
 
     def __init__(self, options: ClaudeOptions | None = None, *, sleep: Callable = time.sleep,
-                 **overrides: Any) -> None:
+                 client: Any = None, **overrides: Any) -> None:
         self.options = options or ClaudeOptions(**overrides)
-        key = env.anthropic_api_key()
-        if not key:
-            raise MissingKeyError(
-                "the claude agent needs an Anthropic API key and ANTHROPIC_API_KEY is not set; "
-                "export ANTHROPIC_API_KEY=... (and ANTHROPIC_BASE_URL for another endpoint), or "
-                "use the offline template agent: --agent template")
         try:
             import anthropic
         except ImportError as e:  # pragma: no cover - a declared dependency
             raise MissingKeyError(f"the claude agent needs the anthropic package ({e}); "
                                   "pip install anthropic") from None
         self._anthropic = anthropic
-        self.client = anthropic.Anthropic(
-            api_key=key, base_url=env.anthropic_base_url(),
-            max_retries=self.options.sdk_retries, timeout=self.options.timeout_s)
-        self.spent_usd = 0.0
+        if client is None:  # a replay hands its transcript's client and needs no key
+            key = env.anthropic_api_key()
+            if not key:
+                raise MissingKeyError(
+                    "the claude agent needs an Anthropic API key and ANTHROPIC_API_KEY is not "
+                    "set; export ANTHROPIC_API_KEY=... (and ANTHROPIC_BASE_URL for another "
+                    "endpoint), or use the offline template agent: --agent template")
+            client = anthropic.Anthropic(
+                api_key=key, base_url=env.anthropic_base_url(),
+                max_retries=self.options.sdk_retries, timeout=self.options.timeout_s)
+        self.client = client
+        self.spend = Spend(self.options.budget_usd)
+        self._seeded = False
         self.sleep = sleep
+
+    @property
+    def spent_usd(self) -> float:
+        return self.spend.spent
 
     def supports(self, op: str) -> bool:
         return True  # any op contract: the model writes the kernel
 
     def start(self, task: OptimizationTask, evaluator: Any, workdir: Path,
-              limits: Any = None) -> ClaudeSession:
-        return ClaudeSession(self, task, Path(workdir))
+              limits: Any = None, context: SessionContext | None = None) -> ClaudeSession:
+        context = context or SessionContext()
+        if context.ledger is not None and not self._seeded:
+            # A resumed run: what earlier sessions spent counts against the same budget.
+            self.spend.spent = max(self.spend.spent, context.ledger.usd())
+            self._seeded = True
+        return ClaudeSession(self, task, evaluator, Path(workdir), context)
 
 
-class Transcript:
-    """Append-only JSONL of everything said in a session (never the key: it is not in here)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(self, kind: str, **data: Any) -> None:
-        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "kind": kind, **data}
-        with self.path.open("a") as f:
-            f.write(json.dumps(entry, default=str) + "\n")
-
-
-def _first_message(task: OptimizationTask) -> str:
-    return (f"Optimize the op `{task.op}` on {task.hardware.get('gpu', task.device)} "
+def _first_message(task: OptimizationTask, context: SessionContext) -> str:
+    text = (f"Optimize the op `{task.op}` on {task.hardware.get('gpu', task.device)} "
             f"(device {task.device}).\nSignature: {task.signature}\nNumerics: "
             f"{task.numerics_policy}\nCurrent selection: {task.current_name}\n"
             f"{task.profile_text()}\nEarlier attempts:\n{task.history_text()}\n\n"
-            "Read what you need with the read_* tools, then submit_variant. Call finish when "
-            "done.")
+            "Read what you need with the read_* tools, check_candidate a module at one small "
+            "shape, then submit_variant (Triton or CuTe DSL, declared with `language`). Call "
+            "finish when done.")
+    if context.count > 1:
+        text += (f"\n\nYou are session {context.index + 1} of {context.count} on this op; "
+                 f"the others work at the same time. Your approach: "
+                 f"{STRATEGIES[context.index % len(STRATEGIES)]}")
+    return text
 
 
 def _tool_result(tool_id: str, text: str, error: bool = False) -> dict:
-    if len(text) > _MAX_TOOL_TEXT:
-        text = text[:_MAX_TOOL_TEXT] + f"\n[truncated at {_MAX_TOOL_TEXT} characters]"
-    return {"type": "tool_result", "tool_use_id": tool_id, "content": text, "is_error": error}
+    return {"type": "tool_result", "tool_use_id": tool_id, "content": clip(text),
+            "is_error": error}
 
 
 class ClaudeSession:
-    def __init__(self, agent: ClaudeAgent, task: OptimizationTask, workdir: Path) -> None:
+    def __init__(self, agent: ClaudeAgent, task: OptimizationTask, evaluator: Any,
+                 workdir: Path, context: SessionContext) -> None:
         self.agent, self.task, self.opts = agent, task, agent.options
+        self.evaluator, self.context = evaluator, context
         self.system = (PROMPTS / "system.md").read_text()
-        first = _first_message(task)
+        first = _first_message(task, context)
         self.prompt_hash = hashlib.sha256((self.system + first).encode()).hexdigest()[:16]
         self.messages: list[dict] = [{"role": "user", "content": first}]
         self.pending: list[dict] = []
-        self.submit_id: str | None = None
+        self.submitted: tuple[str, Proposal] | None = None  # (tool_use id, proposal)
+        self.last_pass: Proposal | None = None
         self.turns = 0
-        self.usage = {"input_tokens": 0, "output_tokens": 0}
+        self.usage = dict.fromkeys(USAGE_FIELDS, 0)
         self.cost = 0.0
         self.stop_reason: str | None = None
         self.log = Transcript(workdir / "transcript.jsonl")
         self.log.write("session_start", op=task.op, model=self.opts.model, system=self.system,
-                       tools=TOOLS, prompt_hash=self.prompt_hash)
+                       tools=TOOLS, prompt_hash=self.prompt_hash, session=context.name,
+                       index=context.index, count=context.count)
         self._logged = 0
 
     # ---- the loop ---------------------------------------------------------------------------
     def propose(self, feedback: Feedback | None) -> Proposal | None:
-        if feedback is not None and self.submit_id is not None:
+        if feedback is not None and self.submitted is not None:
+            tool_id, proposal = self.submitted
             failed = feedback.attempt.verdict != "pass"
-            self.log.write("harness_feedback", tool_use_id=self.submit_id,
+            if not failed:
+                self.last_pass = proposal
+            self.log.write("harness_feedback", tool_use_id=tool_id,
                            attempt=feedback.attempt.to_dict())
-            self.pending.insert(0, _tool_result(self.submit_id, feedback.to_text(), failed))
-            self.submit_id = None
+            self.pending.insert(0, _tool_result(tool_id, feedback.to_text(), failed))
+            self.submitted = None
         while self.stop_reason is None:
             if self.pending:
                 self.messages.append({"role": "user", "content": self.pending})
@@ -218,6 +244,10 @@ class ClaudeSession:
                 return proposal
         return None
 
+    def _meta(self) -> dict:
+        return {"agent": "claude", "model": self.opts.model, "prompt_hash": self.prompt_hash,
+                "turn": self.turns, "session": self.context.name}
+
     def _handle(self, reply: Any) -> Proposal | None:
         content = [b.model_dump(exclude_none=True) for b in reply.content]
         self.messages.append({"role": "assistant", "content": content})
@@ -226,52 +256,68 @@ class ClaudeSession:
             if block.type != "tool_use":
                 continue
             args = block.input if isinstance(block.input, dict) else {}
-            if block.name == "submit_variant" and proposal is None and args.get("source"):
-                proposal, self.submit_id = self._proposal(args), block.id
-            elif block.name == "submit_variant":
-                why = ("submit_variant needs a non-empty `source`" if not args.get("source") else
-                       "only one submit_variant per reply is evaluated; submit it again")
-                self.pending.append(_tool_result(block.id, why, True))
+            if block.name == "submit_variant":
+                if proposal is not None:
+                    self.pending.append(_tool_result(
+                        block.id, "only one submit_variant per reply is evaluated; submit it "
+                        "again", True))
+                    continue
+                proposal, err = proposal_from(args, self._meta())
+                if err:
+                    self.pending.append(_tool_result(block.id, err, True))
+                else:
+                    self.submitted = (block.id, proposal)
             elif block.name == "finish":
                 self.stop_reason = "agent called finish"
                 self.pending.append(_tool_result(block.id, "session finished"))
-            elif block.name in READERS:
-                self.pending.append(_tool_result(block.id, READERS[block.name](self.task)))
             else:
-                self.pending.append(_tool_result(block.id, f"unknown tool {block.name!r}", True))
+                text, error = self._answer(block.name, args)
+                self.pending.append(_tool_result(block.id, text, error))
         for r in self.pending:
             self.log.write("tool_result", **r)
         if proposal is None and self.stop_reason is None and reply.stop_reason != "tool_use":
             self.stop_reason = f"model ended its turn without a tool call ({reply.stop_reason})"
         return proposal
 
-    def _proposal(self, args: dict) -> Proposal:
-        return Proposal(source=str(args["source"]), name_hint=str(args.get("name") or "v"),
-                        notes=str(args.get("notes") or ""),
-                        config=args.get("config") if isinstance(args.get("config"), dict)
-                        else None,
-                        meta={"agent": "claude", "model": self.opts.model,
-                              "prompt_hash": self.prompt_hash, "turn": self.turns})
+    def _answer(self, name: str, args: dict) -> tuple[str, bool]:
+        try:
+            return answer(name, args, self.task, self.evaluator, self.last_pass, self._meta())
+        except Exception as e:  # noqa: BLE001 - a harness failure is the tool's error result
+            return f"the harness could not answer {name}: {type(e).__name__}: {e}", True
 
     # ---- the API ----------------------------------------------------------------------------
     def _call(self) -> Any | None:
         if self.turns >= self.opts.max_turns:
             self.stop_reason = f"max turns ({self.opts.max_turns}) reached"
             return None
-        if self.agent.spent_usd >= self.opts.budget_usd:
-            self.stop_reason = (f"cost budget spent (${self.agent.spent_usd:.2f} of "
-                                f"${self.opts.budget_usd:.2f})")
+        why = self.agent.spend.reserve()
+        if why is not None:
+            self.stop_reason = why
             return None
+        reply = None
+        try:
+            reply = self._request()
+        finally:
+            usd = cost_usd(self.opts.model, reply.usage) if reply is not None else None
+            self.agent.spend.settle(usd)
+        if reply is not None:
+            self._account(reply, usd or 0.0)
+        return reply
+
+    def _request(self) -> Any | None:
         self.log.write("request", turn=self.turns + 1, new_messages=self.messages[self._logged:])
         self._logged = len(self.messages)
         api = self.agent._anthropic
         for attempt in range(self.opts.api_retries + 1):
             try:
-                reply = self.agent.client.messages.create(
+                return self.agent.client.messages.create(
                     model=self.opts.model, max_tokens=self.opts.max_tokens,
                     system=[{"type": "text", "text": self.system,
                              "cache_control": {"type": "ephemeral"}}],
                     tools=TOOLS, messages=self.messages)
+            except TranscriptEnd as e:
+                self.stop_reason = str(e)
+                return None
             except (api.APIStatusError, api.APIConnectionError) as e:
                 status = getattr(e, "status_code", None)
                 self.log.write("api_error", status=status, error=type(e).__name__,
@@ -282,21 +328,19 @@ class ClaudeSession:
                                         f"{attempt + 1} attempt(s): {str(e)[:200]}")
                     return None
                 self.agent.sleep(self.opts.backoff_s * 2**attempt)
-                continue
-            self._account(reply)
-            return reply
         return None  # pragma: no cover - the loop always returns
 
-    def _account(self, reply: Any) -> None:
+    def _account(self, reply: Any, spent: float) -> None:
         self.turns += 1
-        spent = cost_usd(self.opts.model, reply.usage)
         self.cost += spent
-        self.agent.spent_usd += spent
+        usage = reply.usage.model_dump(exclude_none=True)
         for k in self.usage:
-            self.usage[k] += int(getattr(reply.usage, k, 0) or 0)
+            self.usage[k] += int(usage.get(k) or 0)
+        if self.context.ledger is not None:
+            self.context.ledger.api_call(self.context.name, self.opts.model, usage, spent)
         self.log.write("response", turn=self.turns, stop_reason=reply.stop_reason,
                        content=[b.model_dump(exclude_none=True) for b in reply.content],
-                       usage=reply.usage.model_dump(exclude_none=True), cost_usd=spent)
+                       usage=usage, cost_usd=spent, model=getattr(reply, "model", None))
 
     def close(self) -> dict:
         summary = {"stop_reason": self.stop_reason, "turns": self.turns, "usage": self.usage,

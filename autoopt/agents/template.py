@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .base import TEMPLATES, Feedback, Limits, OptimizationTask, Proposal
+from .base import TEMPLATES, Feedback, Limits, OptimizationTask, Proposal, SessionContext
 
 HEADER_MARK = "# {{HEADER}}"
 _INCLUDE = re.compile(r"^# \{\{(\w+)\.(\w+)\}\}: (.*)$", re.M)  # `# {{rows.layout}}: a, b`
@@ -198,15 +198,29 @@ def _storage(optuna: Any, path: Path) -> Any:
     return JournalStorage(JournalFileBackend(str(path)))
 
 
+@dataclass(frozen=True)
+class TemplateOptions:
+    """The template agent's options (`--agent-option KEY=VALUE`)."""
+
+    trials: int = 8  # Optuna trials per token bucket
+    seed: int = 0  # the sampler's seed; session k of an op uses seed + k
+    batch: int = 8  # configs timed per harness call
+
+    def __post_init__(self) -> None:
+        if self.trials < 0 or self.batch < 1:
+            raise ValueError("trials must be >= 0 and batch >= 1")
+
+
 class TemplateAgent:
-    """Proposes the catalog's templates for an op, each tuned per token bucket."""
+    """Proposes the catalog's templates for an op, each tuned per token bucket. Sessions of one
+    op divide its templates between them (session k of n takes every n-th, from the k-th), so
+    n sessions propose the same candidates one session would, n at a time."""
 
     name = "template"
 
     def __init__(self, trials: int = 8, seed: int = 0, batch: int = 8,
                  catalog: Mapping[str, tuple[TemplateSpec, ...]] | None = None) -> None:
-        if trials < 0 or batch < 1:
-            raise ValueError("trials must be >= 0 and batch >= 1")
+        self.options = TemplateOptions(trials, seed, batch)
         self.trials, self.seed, self.batch = trials, seed, batch
         self.catalog = dict(catalog or CATALOG)
 
@@ -214,17 +228,21 @@ class TemplateAgent:
         return bool(self.catalog.get(op))
 
     def start(self, task: OptimizationTask, evaluator: Any, workdir: Path,
-              limits: Limits | None = None) -> TemplateSession:
-        return TemplateSession(self, task, evaluator, Path(workdir), limits or Limits())
+              limits: Limits | None = None,
+              context: SessionContext | None = None) -> TemplateSession:
+        return TemplateSession(self, task, evaluator, Path(workdir), limits or Limits(),
+                               context or SessionContext())
 
 
 class TemplateSession:
     def __init__(self, agent: TemplateAgent, task: OptimizationTask, evaluator: Any,
-                 workdir: Path, limits: Limits) -> None:
+                 workdir: Path, limits: Limits, context: SessionContext) -> None:
         self.agent, self.task, self.evaluator, self.limits = agent, task, evaluator, limits
         self.workdir = workdir
+        self.seed = agent.seed + context.index
         done = {a.candidate.split("_", 1)[-1] for a in task.attempts}
-        self.queue = [s for s in agent.catalog.get(task.op, ()) if s.name not in done]
+        mine = agent.catalog.get(task.op, ())[context.index::context.count]
+        self.queue = [s for s in mine if s.name not in done]
         self.tuning: dict[str, dict] = {}
 
     def propose(self, feedback: Feedback | None) -> Proposal | None:
@@ -232,15 +250,16 @@ class TemplateSession:
             return None
         spec = self.queue.pop(0)
         source = spec.render()
-        probe = Proposal(source=source, name_hint=spec.name, meta={"agent": "template",
-                                                                    "template": spec.name})
+        probe = Proposal(source=source, name_hint=spec.name, trusted=True,
+                         meta={"agent": "template", "template": spec.name})
         configs = self._tune(spec, probe)
         return Proposal(source=source, name_hint=spec.name, config_space=spec.space(),
                         notes=spec.notes(), configs=configs or None,
                         config=None if configs else spec.default(),
-                        parent=self.task.current_name,
+                        parent=self.task.current_name, trusted=True, language="triton",
                         meta={"agent": "template", "template": spec.name, "file": spec.file,
-                              "trials": self.agent.trials, "tuning": self.tuning.get(spec.name)})
+                              "trials": self.agent.trials, "seed": self.seed,
+                              "tuning": self.tuning.get(spec.name)})
 
     def _tune(self, spec: TemplateSpec, probe: Proposal) -> dict[str, dict]:
         space = spec.space()
@@ -279,9 +298,9 @@ class TemplateSession:
 
     def _sampler(self, optuna: Any, space: dict, grid: int) -> Any:
         if grid <= self.agent.trials:  # the whole grid fits: try every point once
-            return optuna.samplers.GridSampler(space, seed=self.agent.seed)
+            return optuna.samplers.GridSampler(space, seed=self.seed)
         startup = max(1, min(8, self.agent.trials // 2))
-        return optuna.samplers.TPESampler(seed=self.agent.seed, n_startup_trials=startup)
+        return optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=startup)
 
     def _run_trials(self, optuna: Any, study: Any, space: dict, want: int, probe: Proposal,
                     shape: Mapping[str, int]) -> None:

@@ -62,14 +62,15 @@ def judge_near_misses(j: Judge) -> tuple[list[str], dict[str, Any]]:
             status = "not run (the near miss failed on these shapes)"
         elif d["near_ref"] == 0:
             status = "not distinguishable on these inputs"
-        elif d["cand_ref"] < d["cand_near"]:
+        elif d.get("cand_ref_ulps", d["cand_ref"]) < d.get("cand_near_ulps", d["cand_near"]):
             status = "closer to the reference"
         else:
             status = "closer to the near miss"
             if not any(name in r for r in reasons):
                 reasons.append(f"closer to near miss {name!r} than to the reference at {key} "
-                               f"({d['cand_ref']} elements differ from the reference, "
-                               f"{d['cand_near']} from the near miss)")
+                               f"({d['cand_ref']} elements, {d.get('cand_ref_ulps')} ulps from "
+                               f"the reference; {d['cand_near']} elements, "
+                               f"{d.get('cand_near_ulps')} ulps from the near miss)")
         row["shapes"][key] = {"status": status, **d}
     for row in table.values():
         states = {v["status"] for v in row["shapes"].values()}

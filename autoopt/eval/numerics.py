@@ -254,6 +254,29 @@ def mismatch_count(a: tuple, b: tuple) -> int:
     return total
 
 
+# An element's share of a near-miss distance is capped: one NaN or sign flip must not outweigh
+# everything else, and no real rounding difference comes near it.
+ULP_DISTANCE_CAP = 1 << 20
+
+
+def ulp_distance(a: tuple, b: tuple) -> int:
+    """Sum over elements of |ulp difference| (capped per element), over outputs; integer
+    outputs count one per differing element. Near misses are judged on this distance: a correct
+    kernel may differ from the reference by an ulp or two almost everywhere (FP32 sums in
+    another order) while a near miss is far away, and a count of differing elements cannot tell
+    those apart."""
+    total = 0
+    for x, y in zip(a, b, strict=True):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            total += ULP_DISTANCE_CAP * max(x.numel(), y.numel())
+        elif not x.dtype.is_floating_point:
+            total += int((x != y).sum())
+        else:
+            d = ulp_diff(x, y).abs().clamp_max(ULP_DISTANCE_CAP)
+            total += int(d.sum())
+    return total
+
+
 # Router ids: a row may differ only where the reference's own choice is a tie within FP32 noise.
 # GEMM reduction order moves a logit by a few ulps; through the sigmoid the choice score moves
 # by fewer. 64 FP32 ulps of the boundary value is generous for noise and far below a real change.

@@ -20,7 +20,7 @@ import torch
 
 from . import wire
 from .channel import Worker, WorkerError
-from .numerics import OutputStats, bits_equal, mismatch_count, router_tie_rows
+from .numerics import OutputStats, bits_equal, mismatch_count, router_tie_rows, ulp_distance
 
 ALT_OFFSET = 7919  # seed offset of the data that replaces an input
 
@@ -344,13 +344,16 @@ class Judge:
     def _near(self, case: Case, outs: tuple) -> dict:
         out = {}
         for name, nm in case.near.items():
-            acc = self.near.setdefault((case.key, name), {"cand_ref": 0, "cand_near": 0,
-                                                          "near_ref": 0, "trials": 0})
+            acc = self.near.setdefault((case.key, name), {
+                "cand_ref": 0, "cand_near": 0, "near_ref": 0, "cand_ref_ulps": 0,
+                "cand_near_ulps": 0, "trials": 0})
             if isinstance(nm, str):
                 out[name] = {"error": nm}
                 continue
             d = {"cand_ref": mismatch_count(outs, case.ref), "cand_near": mismatch_count(outs, nm),
-                 "near_ref": mismatch_count(nm, case.ref)}
+                 "near_ref": mismatch_count(nm, case.ref),
+                 "cand_ref_ulps": ulp_distance(outs, case.ref),
+                 "cand_near_ulps": ulp_distance(outs, nm)}
             for k, v in d.items():
                 acc[k] += v
             acc["trials"] += 1

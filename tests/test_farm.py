@@ -1,0 +1,191 @@
+"""The evaluation farm: inline, a process per device, and Ray (a local cluster on loopback);
+a lost worker's job retried elsewhere; the CuTe route; Nsight metrics read from ncu's CSV."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from autoopt.farm import EvalJob, FarmSpec
+from autoopt.farm.local import InlineFarm, LocalFarm
+from autoopt.farm.profile import format_profile, parse_csv
+
+from .farm_support import DiesOnce, WhereJob
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_farm_kind_follows_what_the_run_asked_for():
+    assert FarmSpec(devices=("cpu",)).kind == "inline"
+    assert FarmSpec(devices=("cuda:0", "cuda:1"), gpu=True).kind == "local"
+    assert FarmSpec(devices=("cpu",), ray_address="local").kind == "ray"
+    with pytest.raises(ValueError, match="devices or a Ray address"):
+        FarmSpec(devices=())
+
+
+def test_inline_farm_runs_jobs_in_this_process():
+    import os
+
+    with InlineFarm("cpu") as farm:
+        res = farm.submit(WhereJob()).result()
+    assert res["device"] == "cpu" and res["pid"] == os.getpid() and res["kind"] == "where"
+    assert res["device_s"] >= 0 and res["worker"].endswith("/cpu")
+
+
+@pytest.mark.slow
+def test_local_farm_replaces_a_dead_worker_and_retries_its_job(tmp_path):
+    import os
+
+    with LocalFarm(["cpu", "cpu"]) as farm:
+        futures = [farm.submit(WhereJob()) for _ in range(3)]
+        lost = farm.submit(DiesOnce(str(tmp_path / "died")))
+        where = [f.result(timeout=120) for f in futures]
+        again = lost.result(timeout=120)
+    assert {w["device"] for w in where} == {"cpu"} and os.getpid() not in {w["pid"]
+                                                                           for w in where}
+    assert all(w["interpret"] == "1" for w in where)  # CPU workers run the interpreter
+    assert again["pid"] != again["killed_pid"] and farm.lost and "died" in farm.lost[0]
+
+
+@pytest.fixture(scope="module")
+def ray_farm():
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:  # not imported here: the farm sets its env
+        pytest.skip("ray is not installed (pip install -e '.[test]')")
+    from autoopt.farm.ray_farm import RayFarm
+
+    farm = RayFarm("local", gpu=False, num_cpus=2, max_retries=2)
+    yield farm
+    farm.close()
+
+
+@pytest.mark.slow
+def test_ray_local_cluster_is_loopback_only_and_retries_a_lost_worker(ray_farm, tmp_path):
+    import ray
+
+    assert ray_farm.workers == ["ray:cpu0", "ray:cpu1"]
+    nodes = ray.nodes()
+    assert [n["NodeManagerAddress"] for n in nodes] == ["127.0.0.1"]
+    res = ray_farm.submit(DiesOnce(str(tmp_path / "died"), inner=WhereJob())).result(timeout=120)
+    assert res["pid"] != res["killed_pid"]  # the task ran again on another worker process
+    assert res["device"] == "cpu" and res["interpret"] == "1"
+
+
+_CUTE = '''
+LANGUAGE = "cute"
+ARCHS = ("sm_90",)
+import torch
+
+
+def run(gate, up, config=None):
+    raise NotImplementedError
+
+
+def precompile(arch="sm_90a"):
+    return ["nothing"]
+'''
+
+
+def test_cute_submissions_go_to_the_cute_compile_check_first(tmp_path, monkeypatch):
+    """A CuTe DSL source is compiled by model.registry.cute.check_compiles for the worker's
+    arch before the judge sees it; a compile error stops it there."""
+    from model.registry import cute
+
+    seen = []
+
+    def check(path, arch="sm_90a", timeout=600.0):
+        seen.append((Path(path).read_text(), arch))
+        return [f"{path}: DSLRuntimeError: bad layout"]
+
+    def no_judge(*a, **kw):
+        raise AssertionError("the judge must not run a source that does not compile")
+
+    monkeypatch.setattr(cute, "check_compiles", check)
+    monkeypatch.setattr("autoopt.eval.verify.verify_variant", no_judge)
+    monkeypatch.setattr("model.registry.current_arch", lambda device: "sm_90")
+    job = EvalJob(op="swiglu", name="a01_cute", source=_CUTE, language="cute")
+    res = job.run("cuda:0")
+    assert seen == [(_CUTE, "sm_90")]
+    assert res["stage"] == "compile" and "bad layout" in res["reasons"][0]
+    assert "sm_90a" in res["reasons"][0]
+    # A Triton source never goes there.
+    from autoopt.farm.languages import precheck
+
+    assert precheck("triton", tmp_path / "x.py", "cuda:0") == [] and len(seen) == 1
+    assert "cannot be submitted" in precheck("library", tmp_path / "x.py", "cpu")[0]
+
+
+@pytest.mark.slow
+def test_a_cute_source_compiles_on_cpu_and_is_never_run_there(tmp_path):
+    from model.registry import cute
+
+    if cute.unavailable():
+        pytest.skip(cute.unavailable())
+    res = EvalJob(op="swiglu", name="a01_cute", source=textwrap.dedent(_CUTE),
+                  language="cute").run("cpu")
+    assert res["stage"] == "compile" and len(res["reasons"]) == 1
+    assert res["reasons"][0].startswith("compiles for sm_90a, but not verified")
+    assert "NVIDIA GPUs only" in res["reasons"][0]
+
+
+def test_nsight_metrics_from_ncu_csv(tmp_path):
+    """`ncu --import --csv --page raw --print-units base` of a candidate's kernels, read and
+    formatted for the agent (the fixture is in ncu's raw-page layout; the GPU script
+    benchmarks/agents_gpu.py records a real one)."""
+    text = (DATA / "ncu_candidate_raw.csv").read_text()
+    kernels = parse_csv(text)
+    assert [k["name"] for k in kernels] == ["_router_gemv_kernel", "_router_select_kernel"]
+    k = kernels[0]
+    assert k["bucket"] == "T=1" and kernels[1]["bucket"] == "T=8"
+    assert k["duration_us"] == pytest.approx(6.112)
+    assert k["dram_bytes"] == 10_518_528 + 2_560 and k["dram_read_bytes"] == 10_518_528
+    assert k["dram_gb_s"] == pytest.approx((10_518_528 + 2_560) / 6112)
+    assert (k["registers"], k["smem_per_block"], k["block"], k["grid"]) == (40, 1024, 128, 132)
+    assert k["occupancy_pct"] == pytest.approx(22.48) and k["l2_hit_pct"] == pytest.approx(3.17)
+    assert [s["reason"] for s in k["stalls"]] == ["long_scoreboard", "wait", "barrier"]
+    assert kernels[1]["smem_per_block"] == 2048  # static shared memory counts too
+    text = format_profile({"kernels": kernels, "ceiling_gb_s": 4000.0, "ncu": "2025.3.1",
+                           "launch_count": 24})
+    assert "_router_gemv_kernel [T=1]: 6.11 us, grid 132 x block 128" in text
+    assert "1721 GB/s = 43% of the measured ceiling (36% of ncu's peak)" in text
+    assert "occupancy 22.5% achieved, 40 registers/thread, 1,024 B shared/block" in text
+    assert "top stalls (cycles per issued instruction): long_scoreboard 18.42" in text
+    # The details page (one row per metric) reads the same.
+    long = ['"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"',
+            '"0","k","Command line profiler metrics","gpu__time_duration.sum","usecond","2.5"',
+            '"0","k","Command line profiler metrics","launch__registers_per_thread",'
+            '"register/thread","64"']
+    (one,) = parse_csv("\n".join(long))
+    assert one["duration_us"] == pytest.approx(2.5) and one["registers"] == 64
+
+
+def test_profile_on_a_cpu_worker_is_a_plain_message(tmp_path):
+    from autoopt.farm import ProfileJob
+
+    res = ProfileJob(op="swiglu", name="p", source="x = 1\n", shapes=({"T": 1, "I": 8},)
+                     ).run("cpu")
+    assert "no GPU" in res["message"] and format_profile(res) == res["message"]
+
+
+@pytest.mark.gpu
+def test_profile_candidate_on_a_gpu_reads_ncu_metrics():
+    from autoopt.agents.template import CATALOG
+    from autoopt.farm import ProfileJob
+    from autoopt.profiler.nsight import find_ncu
+
+    if find_ncu() is None:
+        pytest.skip("ncu is not installed on this GPU machine")
+    spec = CATALOG["swiglu"][0]
+    shapes = ({"T": 1, "I": 2560}, {"T": 64, "I": 2560})
+    res = ProfileJob(op="swiglu", name="swiglu_tiles", source=spec.render(), shapes=shapes,
+                     per_bucket={"T=1": spec.default(), "T=64": spec.default()}).run("cuda:0")
+    assert "kernels" in res, res.get("message")
+    assert {k["bucket"] for k in res["kernels"]} <= {"T=1", "T=64", None}
+    for k in res["kernels"]:
+        assert k["duration_us"] > 0 and k["registers"] > 0 and k["block"] > 0
+        assert k["dram_bytes"] and k["dram_bytes"] > 0 and k["occupancy_pct"] is not None
+    assert res["ceiling_gb_s"] > 1000  # an H200 copies at a few TB/s
+    assert "of the measured ceiling" in format_profile(res)
