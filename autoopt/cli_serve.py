@@ -22,8 +22,8 @@ def register(app: typer.Typer) -> None:
 
 
 # ---- generate ----------------------------------------------------------------------------------
-ATTENTION_HELP = ("auto (FlashInfer on a GPU where it is installed, else torch), torch or "
-                  "flashinfer (default: auto).")
+ATTENTION_HELP = ("which variant of the registry's attention op serves: auto (the lock's, "
+                  "default), torch (the reference), triton, flashinfer (GPU), or a variant name.")
 REGISTRY_HELP = ("Registry DIR the kernels and their lock come from (default: $AUTOOPT_REGISTRY, "
                  "the checkout's kernels/, or your per-user registry, else the shipped one).")
 

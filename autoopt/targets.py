@@ -26,7 +26,8 @@ _TOP_KEYS = {"name", "description", "model", "phase", "batch_sizes", "contexts",
 _HW_KEYS = {"gpu", "arch", "hbm_tb_s", "bf16_tflop_s", "fp32_tflop_s", "memory_gb"}
 _PAR_KEYS = {"tp", "ep"}
 # Named model regions that are not op contracts (model.beam wraps them in `region(...)`), plus
-# the served step's attention backend (its KV write and batched decode attention).
+# the served step's attention backend (its range holds the attention op; the KV write is part of
+# the Q/K norm ops).
 REGIONS = ("embed", "rope_tables", "o_proj", "dense_gate_up", "dense_down", "lm_head",
            "paged_attention")
 

@@ -95,8 +95,14 @@ class DecodeAttention:
         self.k = torch.randn(shape, generator=g, device=group.device).to(torch.bfloat16)
         self.v = torch.randn(shape, generator=g, device=group.device).to(torch.bfloat16)
 
-    def __call__(self, layer, q, k, v, window, scale, batch) -> torch.Tensor:
-        b = q.shape[0]  # q [B, Hq, D]; k, v [B, Hkv, D]
+    def kv_cache(self, layer, v, batch):
+        # The new token's K/V go to a one-token scratch (pages of 1, slot b = sequence b).
+        self.new = (torch.empty_like(v)[:, None], torch.empty_like(v)[:, None])
+        return (*self.new, torch.arange(v.shape[0], device=v.device))
+
+    def __call__(self, layer, q, window, scale, batch) -> torch.Tensor:
+        b = q.shape[0]  # q [B, Hq, D]; the new k, v [B, Hkv, D] from the scratch
+        k, v = self.new[0][:, 0], self.new[1][:, 0]
         keep = window - 1 if window else self.k.shape[3]
         keys = torch.cat([self.k[layer, :b, :, -keep:], k[:, :, None]], dim=2)
         vals = torch.cat([self.v[layer, :b, :, -keep:], v[:, :, None]], dim=2)

@@ -3,8 +3,9 @@
 Per layer (L 0-based, 52 layers, hidden H=5120, Hq=48 query / Hkv=8 KV heads of D=128):
     x            pre-normed input [T, H] (the previous boundary's `next` norm)
     q,k,v,g      = qkv_gate_proj(x)                 # one packed GEMM
-    q,k          = qk_norm_rope | qk_norm_ssmax     # sliding-window (RoPE) / full (NoPE + SSMax)
-    o            = attention(q,k,v) -> attn_output_gate(o, g, bias) -> o_proj
+    q            = qk_norm_rope | qk_norm_ssmax     # sliding-window (RoPE) / full (NoPE + SSMax),
+                                                    # both also write K and V into the KV cache
+    o            = attention(q, the cache) -> attn_output_gate(o, g, bias) -> o_proj
     x, h         = norm_residual_norm(o, h, post_attn, pre_ff, 2(L+1))
     m            = dense SwiGLU MLP (L < 3) | router + moe_experts (256 experts, top-8)
     x, h         = norm_residual_norm(m, h, post_ff, next input norm or final norm, 2(L+1)+1)
@@ -13,7 +14,8 @@ Under TP the o_proj, dense down and combined-expert outputs are per-rank partial
 sums them (allreduce_norm_residual_norm, through model/parallel.py) before its norms.
 
 Tokens are flat ([T] ids, [T] positions); an `AttentionBackend` knows how they split into
-sequences and where their keys live (no cache here; a paged KV cache in the serving runtime).
+sequences and where their keys live: `CausalAttention` (no cache, a per-forward scratch) here,
+a paged KV cache in the serving runtime (model/serve/paged_attention.py).
 """
 
 from __future__ import annotations
@@ -41,36 +43,62 @@ class Batch:
 
 
 class AttentionBackend(Protocol):
-    """Attention over the keys a layer can see; the runtime plugs a paged-KV backend here."""
+    """Where a layer's keys live and attention over them; the runtime plugs a paged KV cache in.
+
+    Per layer the model first asks `kv_cache` where this step's K and V go (the layer's cache
+    pages [P, page, Hkv, D] and one slot per token): the Q/K norm op writes them there. Then
+    `__call__` attends the (normed, rotated or SSMax-scaled) queries to the cached keys through
+    the `attention` op and returns [T, Hq, D].
+    """
+
+    def kv_cache(
+        self, layer: int, v: torch.Tensor, batch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
     def __call__(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        window: int,
-        scale: float,
-        batch,
+        self, layer: int, q: torch.Tensor, window: int, scale: float, batch
     ) -> torch.Tensor: ...
 
 
 class CausalAttention:
-    """No cache: every sequence attends to its own tokens through the `attention` op."""
+    """No cache: each forward's K/V go to a scratch of one-token pages (slot t = token t) and
+    every sequence attends to its own tokens through the `attention` op."""
 
     def __init__(self, ops: OpTable) -> None:
         self.ops = ops
+        self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._meta: tuple[object, tuple[torch.Tensor, ...]] | None = None
 
-    def __call__(self, layer, q, k, v, window, scale, batch: Batch) -> torch.Tensor:
-        outs = []
-        for start, stop in batch.seq_bounds:
-            pos = batch.positions[start:stop]
-            outs.append(
-                self.ops.attention(
-                    q[start:stop], k[start:stop], v[start:stop], pos, pos, window, scale
-                )
-            )
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+    def kv_cache(self, layer: int, v: torch.Tensor, batch: Batch):
+        t = v.shape[0]
+        shape = (t, 1, *v.shape[1:])
+        self._kv = (torch.empty(shape, dtype=v.dtype, device=v.device),
+                    torch.empty(shape, dtype=v.dtype, device=v.device))
+        return (*self._kv, torch.arange(t, device=v.device))
+
+    def tables(self, batch: Batch) -> tuple[torch.Tensor, ...]:
+        """(page_table, kv_base, q_seq) of a batch: row b holds sequence b's token slots."""
+        if self._meta is None or self._meta[0] is not batch:
+            dev = batch.positions.device
+            width = max(stop - start for start, stop in batch.seq_bounds)
+            rows = [list(range(start, stop)) + [start] * (width - stop + start)
+                    for start, stop in batch.seq_bounds]
+            starts = torch.tensor([start for start, _ in batch.seq_bounds], device=dev)
+            q_seq = [b for b, (start, stop) in enumerate(batch.seq_bounds)
+                     for _ in range(stop - start)]
+            self._meta = (batch, (torch.tensor(rows, dtype=torch.long, device=dev),
+                                  batch.positions[starts],
+                                  torch.tensor(q_seq, dtype=torch.long, device=dev)))
+        return self._meta[1]
+
+    def __call__(self, layer, q, window, scale, batch: Batch) -> torch.Tensor:
+        if self._kv is None or self._kv[0].shape[0] != q.shape[0]:
+            raise RuntimeError("CausalAttention: kv_cache(layer, v, batch) must be called for "
+                               "this layer's tokens before attention")
+        k_cache, v_cache = self._kv
+        table, base, q_seq = self.tables(batch)
+        return self.ops.attention(q, k_cache, v_cache, table, base, q_seq, batch.positions,
+                                  window, scale)
 
 
 def _buffer(module: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -209,11 +237,15 @@ class BeamForCausalLM(nn.Module):
         q, k, v, g = ops.qkv_gate_proj(
             x, layer.qkv_gate_weight, shard.num_attention_heads, shard.num_key_value_heads
         )  # q,g [T,Hq,D]; k,v [T,Hkv,D]
+        backend, eps = self.attention_backend, cfg.rms_norm_eps
+        k_cache, v_cache, slots = backend.kv_cache(i, v, batch)  # where this step's K/V go
         if layer.sliding:
-            q, k = ops.qk_norm_rope(q, k, layer.q_norm, layer.k_norm, cos, sin, cfg.rms_norm_eps)
+            q = ops.qk_norm_rope(q, k, v, layer.q_norm, layer.k_norm, cos, sin, eps,
+                                 k_cache, v_cache, slots)[0]
         else:
-            q, k = ops.qk_norm_ssmax(q, k, layer.q_norm, layer.k_norm, positions, cfg.rms_norm_eps)
-        o = self.attention_backend(i, q, k, v, cfg.window(i) or 0, cfg.head_dim**-0.5, batch)
+            q = ops.qk_norm_ssmax(q, k, v, layer.q_norm, layer.k_norm, positions, eps,
+                                  k_cache, v_cache, slots)[0]
+        o = backend(i, q, cfg.window(i) or 0, cfg.head_dim**-0.5, batch)  # reads the cache
         o = ops.attn_output_gate(o, g, layer.gate_bias)  # [T, Hq, D]
         with region("o_proj"):
             return F.linear(o.reshape(t, -1), layer.o_proj)  # [T, H], a rank partial under TP

@@ -18,7 +18,7 @@ from autoopt.agents.template import CATALOG, HEADER_MARK, TemplateAgent
 from model.ops import CONTRACTS
 
 REQUIRED = {"rmsnorm", "norm_residual_norm", "attn_output_gate", "swiglu", "logit_softcap",
-            "qk_norm_rope", "qk_norm_ssmax", "moe_experts"}
+            "qk_norm_rope", "qk_norm_ssmax", "attention", "qkv_gate_proj", "moe_experts"}
 
 
 def test_catalog_covers_the_profiled_elementwise_and_norm_ops():
@@ -190,20 +190,30 @@ def test_deadline_stops_tuning_and_proposes_the_default(tmp_path):
 
 
 # ---- the GPU path compiles (sm_90 PTX, no GPU needed) -------------------------------------
-P, F, N, C = "*bf16", "*fp32", "i32", "constexpr"
+P, F, N, C, L = "*bf16", "*fp32", "i32", "constexpr", "*i64"
 COMPILE_CASES = {
-    "swiglu": ("_swiglu_tile_kernel", [P, P, P, N, N, N, N, N, C, C, C],
-               {"ROWS": 4, "BLOCK": 1024, "ON_GPU": True}),
-    "attn_output_gate": ("_gate_tile_kernel", [P, P, P, P, N, N, N, N, N, C, C, C, C],
-                         {"D": 128, "ROWS": 2, "BLOCK": 512, "ON_GPU": True}),
-    "logit_softcap": ("_softcap_tile_kernel", [P, F, N, N, N, N, "fp32", "fp32", C, C, C],
-                      {"ROWS": 1, "BLOCK": 2048, "ON_GPU": True}),
-    "qk_norm_rope": ("_qk_norm_rope_kernel", [P] * 4 + [F, F, P, P] + [N] * 8 + ["fp32"] * 2
-                     + [C] * 6, {"D": 128, "TX": 32, "VEC": 4, "ROWS": 4, "CPU_LANES": 0,
-                                 "ON_GPU": True}),
-    "qk_norm_ssmax": ("_qk_norm_ssmax_kernel", [P] * 4 + ["*i64", P, P] + [N] * 7
+    "swiglu": [("_swiglu_tile_kernel", [P, P, P, N, N, N, N, N, C, C, C],
+                {"ROWS": 4, "BLOCK": 1024, "ON_GPU": True})],
+    "attn_output_gate": [("_gate_tile_kernel", [P, P, P, P, N, N, N, N, N, C, C, C, C],
+                          {"D": 128, "ROWS": 2, "BLOCK": 512, "ON_GPU": True})],
+    "logit_softcap": [("_softcap_tile_kernel", [P, F, N, N, N, N, "fp32", "fp32", C, C, C],
+                       {"ROWS": 1, "BLOCK": 2048, "ON_GPU": True})],
+    "qk_norm_rope": [("_qk_norm_rope_kernel", [P] * 5 + [F, F, P, P, P, L] + [N] * 10
                       + ["fp32"] * 2 + [C] * 6, {"D": 128, "TX": 32, "VEC": 4, "ROWS": 4,
-                                                 "CPU_LANES": 0, "ON_GPU": True}),
+                                                 "CPU_LANES": 0, "ON_GPU": True})],
+    "qk_norm_ssmax": [("_qk_norm_ssmax_kernel", [P] * 5 + [L, P, P, P, L] + [N] * 9
+                       + ["fp32"] * 2 + [C] * 6, {"D": 128, "TX": 32, "VEC": 4, "ROWS": 4,
+                                                  "CPU_LANES": 0, "ON_GPU": True})],
+    "attention": [
+        ("_attention_scores_kernel", [P, P, L, L, L, L, P, F, F, "fp32"] + [N] * 6 + [C] * 7,
+         {"WINDOW": 512, "PAGE": 16, "D": 128, "BLOCK_G": 16, "BLOCK_N": 64, "SPLITS": 16,
+          "ON_GPU": True}),
+        ("_attention_pv_kernel", [P, L, L, L, L, P, F, F, F, "*i32", P] + [N] * 6 + [C] * 8,
+         {"WINDOW": 0, "PAGE": 16, "D": 128, "BLOCK_G": 16, "BLOCK_N": 64, "SPLITS": 16,
+          "COMBINE": 4, "ON_GPU": True})],
+    "qkv_gate_proj": [("_qkv_gate_proj_gemv_kernel", [P, P, P, F, "*i32"] + [N] * 4 + [C] * 5,
+                       {"BLOCK_T": 16, "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2,
+                        "ON_GPU": True})],
 }
 _COMPILE = '''
 import importlib.util, sys, json
@@ -231,15 +241,15 @@ def test_template_gpu_path_compiles_for_sm90(op, tmp_path):
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.is_file() and not shutil.which("ptxas"):
         pytest.skip("no ptxas bundled with triton here")
-    kernel, types, constexprs = COMPILE_CASES[op]
     path = tmp_path / f"{op}.py"
     path.write_text(CATALOG[op][0].render())
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    res = subprocess.run([sys.executable, "-c", _COMPILE, str(path), kernel, json.dumps(types),
-                          json.dumps(constexprs)], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0 and res.stdout.startswith("ok"), res.stderr[-2000:]
+    for kernel, types, constexprs in COMPILE_CASES[op]:
+        res = subprocess.run([sys.executable, "-c", _COMPILE, str(path), kernel,
+                              json.dumps(types), json.dumps(constexprs)], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0 and res.stdout.startswith("ok"), (kernel, res.stderr[-2000:])
 
 
 class BucketEvaluator(FakeEvaluator):

@@ -102,10 +102,24 @@ def test_logit_softcap(t):
     assert ((got.double() - want).abs() <= 4 * torch.finfo(torch.float32).eps * cap).all()
 
 
+def _check_cache_write(k_cache, v_cache, before, slots, want_k, v):
+    """The written slots hold want_k (within the op's ulp) and v (bits); the rest is untouched."""
+    flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    _close_bf16(flat_k[slots], want_k)
+    assert torch.equal(flat_v[slots], v)
+    keep = torch.ones(flat_k.shape[0], dtype=torch.bool)
+    keep[slots] = False
+    assert torch.equal(flat_k[keep], before[0].flatten(0, 1)[keep])
+    assert torch.equal(flat_v[keep], before[1].flatten(0, 1)[keep])
+
+
 @pytest.mark.parametrize("t", TOKENS)
 def test_qk_norm_rope(t):
-    q, k, qw, kw, cos, sin, eps = _inputs("qk_norm_rope", t, 7)
-    got_q, got_k = CONTRACTS["qk_norm_rope"].reference(q, k, qw, kw, cos, sin, eps)
+    q, k, v, qw, kw, cos, sin, eps, kc, vc, slots = _inputs("qk_norm_rope", t, 7)
+    before = (kc.clone(), vc.clone())
+    got_q, got_kc, got_vc = CONTRACTS["qk_norm_rope"].reference(q, k, v, qw, kw, cos, sin, eps,
+                                                                kc, vc, slots)
+    assert got_kc is kc and got_vc is vc  # updated in place
 
     def rope64(x, w):
         n = _rms64(x, w, eps).double()
@@ -114,34 +128,40 @@ def test_qk_norm_rope(t):
         return (n * cos.double()[:, None] + rot * sin.double()[:, None]).to(BF)
 
     _close_bf16(got_q, rope64(q, qw))
-    _close_bf16(got_k, rope64(k, kw))
+    _check_cache_write(kc, vc, before, slots, rope64(k, kw), v)
 
 
 @pytest.mark.parametrize("t", TOKENS)
 def test_qk_norm_ssmax(t):
-    q, k, qw, kw, pos, eps = _inputs("qk_norm_ssmax", t, 8)
-    got_q, got_k = CONTRACTS["qk_norm_ssmax"].reference(q, k, qw, kw, pos, eps)
+    q, k, v, qw, kw, pos, eps, kc, vc, slots = _inputs("qk_norm_ssmax", t, 8)
+    before = (kc.clone(), vc.clone())
+    got_q, _, _ = CONTRACTS["qk_norm_ssmax"].reference(q, k, v, qw, kw, pos, eps, kc, vc, slots)
     tau = (1 + (pos.double() + 1) / 2048) ** 0.1
     _close_bf16(got_q, (_rms64(q, qw, eps).double() * tau[:, None, None]).to(BF))
-    _close_bf16(got_k, _rms64(k, kw, eps))
+    _check_cache_write(kc, vc, before, slots, _rms64(k, kw, eps), v)
 
 
-@pytest.mark.parametrize("t,s,w", [(1, 37, 0), (17, 17, 0), (5, 40, 16), (123, 123, 16)])
-def test_attention(t, s, w):
+@pytest.mark.parametrize("t,b,s,w", [(1, 1, 37, 0), (17, 1, 17, 0), (5, 5, 40, 16),
+                                     (123, 3, 123, 16), (9, 9, 60, 0)])
+def test_attention(t, b, s, w):
     c = CONTRACTS["attention"]
-    shape = {**c.shapes_for(CFG, t, context=s), "W": w}
-    q, k, v, qp, kp, window, scale = c.make_inputs(shape, 9)
-    got = c.reference(q, k, v, qp, kp, window, scale)
-    rep = q.shape[1] // k.shape[1]
-    kk = k.double().repeat_interleave(rep, 1)
-    vv = v.double().repeat_interleave(rep, 1)
-    # Eager rounding points: BF16 scores, BF16 scaled scores, BF16 probabilities.
-    scores = torch.einsum("thd,shd->hts", q.double(), kk).to(BF).double()
-    scores = (scores * scale).to(BF).double()
-    dist = qp[:, None] - kp[None, :]
-    ok = (dist >= 0) & ((dist < window) if window else True)
-    probs = torch.softmax(scores.masked_fill(~ok[None], float("-inf")), -1).to(BF).double()
-    want = torch.einsum("hts,shd->thd", probs, vv).to(BF)
+    shape = {**c.shapes_for(CFG, t, context=s, seqs=b), "W": w, "page": 4}
+    q, kc, vc, table, base, q_seq, q_pos, window, scale = c.make_inputs(shape, 9)
+    got = c.reference(q, kc, vc, table, base, q_seq, q_pos, window, scale)
+    rep = q.shape[1] // kc.shape[2]
+    page = kc.shape[1]
+    want = torch.empty_like(got)
+    for i in range(t):  # query by query, keys looked up through the page table
+        row, p = int(q_seq[i]), int(q_pos[i])
+        lo = max(int(base[row]), p - window + 1) if window else int(base[row])
+        j = torch.arange(lo, p + 1) - int(base[row])
+        slots = table[row][j // page] * page + j % page
+        kk = kc.flatten(0, 1)[slots].double().repeat_interleave(rep, 1)  # [S, Hq, D]
+        vv = vc.flatten(0, 1)[slots].double().repeat_interleave(rep, 1)
+        # Eager rounding points: BF16 scores, BF16 scaled scores, BF16 probabilities.
+        scores = torch.einsum("hd,shd->hs", q[i].double(), kk).to(BF).double()
+        probs = torch.softmax((scores * scale).to(BF).double(), -1).to(BF).double()
+        want[i] = torch.einsum("hs,shd->hd", probs, vv).to(BF)
     # Rounded probabilities feed a second GEMM: allow 1 ulp on up to 2% (FP32 vs FP64 sums).
     _close_bf16(got, want, frac=0.02)
 
@@ -218,9 +238,13 @@ def test_every_near_miss_differs_from_the_reference(op):
     # (it does so for ~5e-5 of outputs).
     shape = c.shapes_for(CFG, 257)
     args = c.make_inputs(shape, 13)
-    ref = c.reference(*args)
+
+    def fresh():  # ops may write inputs in place (the KV cache): each call gets its own copy
+        return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+    ref = c.reference(*fresh())
     for name, near in c.numerics.near_misses.items():
-        assert _differ(near(*args), ref) > 0, f"near miss {name} of {op} equals the reference"
+        assert _differ(near(*fresh()), ref) > 0, f"near miss {name} of {op} equals the reference"
 
 
 def test_every_op_declares_its_contract():

@@ -136,7 +136,7 @@ def test_prefill_step_on_cpu(tmp_path):
     p = profile_step(path, batch=2, repeats=1)
     assert p.phase == "prefill" and p.context == 19
     assert MODEL_OPS <= {r.op for r in p.rows if r.kernels > 0}
-    assert "paged_attention" in {r.op for r in p.rows}  # the backend: KV writes, the op inside
-    assert p.row("attention").calls == 2 * p.layers  # one call per prompt per layer
+    assert "paged_attention" in {r.op for r in p.rows}  # the backend's range, the op inside
+    assert p.row("attention").calls == p.layers  # one call per layer over both prompts
     assert p.row("logit_softcap").calls == 1
     assert abs(sum(r.share for r in p.rows) - 100.0) <= 0.5

@@ -39,8 +39,8 @@ def test_signature_dims_skip_expressions_and_scalars():
         (("T", "H"), ("(2*Hq+2*Hkv)*D", "H"), None)
     fixed, token = call_axes("moe_experts")
     assert {name for *_, name in fixed} == {"H", "E", "I", "k"} and token == (0, 0)
-    fixed, token = call_axes("attention")  # S (the context) varies per call, like T
-    assert {name for *_, name in fixed} == {"Hq", "Hkv", "D"}
+    fixed, token = call_axes("attention")  # pages, rows, table width vary per call, like T
+    assert {name for *_, name in fixed} == {"Hq", "Hkv", "D", "page"}
 
 
 def test_nearest_bucket_rule():

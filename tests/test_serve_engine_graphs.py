@@ -1,7 +1,7 @@
-"""The pieces CUDA-graph decode is made of, checked on the CPU: batched decode attention against
-the `attention` reference, the padded static-buffer decode forward (what a graph replays) against
-eager decode, and that an op whose reference syncs with the host blocks capture, saying why (the
-capturable moe_experts variants are tested in test_kernels_moe.py)."""
+"""The pieces CUDA-graph decode is made of, checked on the CPU: the attention reference's decode
+form against its per-sequence form, the padded static-buffer decode forward (what a graph
+replays) against eager decode, and that an op whose reference syncs with the host blocks
+capture, saying why (the capturable moe_experts variants are tested in test_kernels_moe.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch
 
 from model.demo import write_demo_checkpoint
 from model.ops import OpTable
+from model.ops.attention import eager_attention
 from model.ops.attention import reference as attention_ref
 from model.serve.engine import EngineConfig, LLMEngine, SamplingParams
 from model.serve.graphs import DecodeGraphs, batch_buckets, uncapturable
-from model.serve.paged_attention import decode_attention
 
 from .registry_support import lock_shipped, resolve
 
@@ -25,7 +25,9 @@ def gen() -> torch.Generator:
 
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_matches_the_reference(gen, window: int, dtype: torch.dtype) -> None:
+def test_decode_rows_match_per_sequence_attention(gen, window: int, dtype: torch.dtype) -> None:
+    # The attention reference's capture-safe form (one padded page-table row per query) against
+    # its per-sequence form over exactly the visible keys.
     page, hq, hkv, d, n_pages = 4, 4, 2, 16, 20
     k_pages = torch.randn(n_pages, page, hkv, d, generator=gen).to(dtype)
     v_pages = torch.randn(n_pages, page, hkv, d, generator=gen).to(dtype)
@@ -38,12 +40,14 @@ def test_decode_attention_matches_the_reference(gen, window: int, dtype: torch.d
         used += need
     q = torch.randn(len(lengths), hq, d, generator=gen).to(dtype)
     q_pos = torch.tensor([n - 1 for n in lengths])
-    out = decode_attention(q, k_pages, v_pages, torch.tensor(tables), 0, q_pos, window, d**-0.5)
+    args = (q, k_pages, v_pages, torch.tensor(tables), torch.zeros(3, dtype=torch.long),
+            torch.arange(3), q_pos, window, d**-0.5)
+    out = attention_ref(*args)
     for b, n in enumerate(lengths):
         pages = torch.tensor(tables[b][: -(-n // page)])
         k = k_pages[pages].reshape(-1, hkv, d)[:n]
         v = v_pages[pages].reshape(-1, hkv, d)[:n]
-        ref = attention_ref(q[b:b + 1], k, v, q_pos[b:b + 1], torch.arange(n), window, d**-0.5)
+        ref = eager_attention(q[b:b + 1], k, v, q_pos[b:b + 1], torch.arange(n), window, d**-0.5)
         # Masked padding keys add exact zeros; only the summation length differs.
         torch.testing.assert_close(out[b:b + 1], ref, atol=1e-5 if dtype == torch.float32
                                    else 1e-2, rtol=1e-3)

@@ -59,10 +59,13 @@ def test_op_shapes_derive_from_config_and_contracts(batch):
     for op in ("rmsnorm", "qkv_gate_proj", "router", "moe_experts", "attn_output_gate"):
         assert shapes[op] == CONTRACTS[op].shapes_for(cfg, batch, shard)
     assert shapes["qkv_gate_proj"]["Hq"] == 48 // 8 and shapes["qkv_gate_proj"]["Hkv"] == 1
-    # The shapes of the ops the served step calls: under TP8 the boundary is the fused op; a GPU
-    # decode's attention is the paged backend's batched path, not the per-sequence op.
+    # The shapes of the ops the served step calls: under TP8 the boundary is the fused op; decode
+    # attention is one paged call per layer over every sequence (one query each).
     assert shapes["allreduce_norm_residual_norm"] == {"R": 8, "T": batch, "H": 5120}
-    assert "norm_residual_norm" not in shapes and "attention" not in shapes
+    assert "norm_residual_norm" not in shapes
+    att = shapes["attention"]
+    assert (att["T"], att["B"], att["Hq"], att["Hkv"], att["W"]) == (batch, batch, 6, 1, 0)
+    assert att["S"] >= 100000  # the keys a row's pages hold
 
 
 @pytest.mark.parametrize("batch", [1, 17, 123])
@@ -75,7 +78,7 @@ def test_step_calls_follow_the_layer_structure(batch):
     n = cfg.num_hidden_layers
     dense = cfg.mlp_layer_types.count("dense")
     assert counts["norm_residual_norm"] == 2 * n
-    assert counts["attention"] == n * batch  # one call per sequence per layer
+    assert counts["attention"] == n  # one call per layer over every sequence
     assert counts["qk_norm_rope"] + counts["qk_norm_ssmax"] == n
     assert counts["qk_norm_ssmax"] == cfg.layer_types.count("full_attention")
     assert (counts["swiglu"], counts["moe_experts"], counts["router"]) == (dense, n - dense,
@@ -88,7 +91,8 @@ def test_prefill_tokens_and_layer_proxy():
     assert t.tokens(8) == 8 * 2048
     shapes = t.op_shapes(8)
     assert shapes["rmsnorm"]["T"] == 8 * 2048 and shapes["logit_softcap"]["T"] == 8
-    assert shapes["attention"]["T"] == shapes["attention"]["S"] == 2048
+    assert shapes["attention"]["T"] == 8 * 2048 and shapes["attention"]["B"] == 8
+    assert shapes["attention"]["S"] == 2048
     assert t.config(6).num_hidden_layers == 6
     assert load_target("h200-tp2-decode").default_layers == 12
 

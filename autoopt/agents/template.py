@@ -123,13 +123,26 @@ CATALOG: dict[str, tuple[TemplateSpec, ...]] = {
         "re-read from L2.", "one kernel per boundary; 5-15x fewer launches at decode"),),
     "qk_norm_rope": (TemplateSpec(
         "qk_norm_rope", "rows", "qk_norm_rope__rows.py",
-        "per-head q and k norms and RoPE of both in one launch; the rotated half is re-read "
-        "from L1 instead of torch.cat building rot(x). " + _LAUNCH,
-        "one launch instead of ~20; the op becomes launch-bound at decode"),),
+        "per-head q and k norms, RoPE of both and the K/V cache write in one launch; the rotated "
+        "half is re-read from L1 instead of torch.cat building rot(x), and k rows are stored "
+        "straight into their cache slots. " + _LAUNCH,
+        "one launch instead of ~22 (norms, RoPE, two index_copy_ writes)"),),
     "qk_norm_ssmax": (TemplateSpec(
         "qk_norm_ssmax", "rows", "qk_norm_ssmax__rows.py",
-        "per-head q and k norms and the SSMax query scale (computed per token in-kernel) in one "
-        "launch. " + _LAUNCH, "one launch instead of ~15"),),
+        "per-head q and k norms, the SSMax query scale (computed per token in-kernel) and the "
+        "K/V cache write in one launch. " + _LAUNCH, "one launch instead of ~17"),),
+    "attention": (TemplateSpec(
+        "attention", "splitkv", "attention__splitkv.py",
+        "decode attention as split-KV flash decoding over the pages, GQA heads of one KV head "
+        "in one program, keeping the eager rounding points by storing the BF16 scaled scores "
+        "(~5% of the K/V bytes) and normalising in a second pass; the splits are tuned per "
+        "token bucket so that short batches still fill the GPU.",
+        "two launches instead of ~20, within 1.5x of the K/V read floor at long context"),),
+    "qkv_gate_proj": (TemplateSpec(
+        "qkv_gate_proj", "splitk", "qkv_gate_proj__splitk.py",
+        "at decode the packed projection is a weight stream; a split-K GEMV whose last program "
+        "per tile sums the partials in order replaces cuBLAS's GEMV + split-K reduce.",
+        "one launch, near the HBM floor for T <= 16; the library GEMM above"),),
     "attn_output_gate": (TemplateSpec(
         "attn_output_gate", "tiles", "attn_output_gate__tiles.py",
         "bias add, sigmoid and product with their three roundings in registers, in tiles of "

@@ -151,6 +151,8 @@ def recheck(j: Judge, case: Case) -> None:
                                     "region": {"off": 0, "cap": j.w.arena.size}}))
     now = j.w.unpack(reply["data"], expect)
     for i, (a, b) in enumerate(zip(now, case.first, strict=True)):
+        if i in j.inplace:
+            continue  # the input buffer itself: later calls on the case rewrite it by design
         if a is None or not bool(bits_equal(a.to(b.device), b).all()):
             j.findings.add("stay_put", f"outputs changed after later calls: output {i} of the "
                                        f"call {where} was overwritten (a buffer the op reuses)")

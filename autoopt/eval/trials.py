@@ -131,6 +131,9 @@ class Judge:
         self.c, self.w, self.device = contract, worker, device
         self.rng = rng  # with one, some puts hand over row-padded views (see `put`)
         self.names = arg_names(contract.signature)
+        # Outputs that are inputs updated in place (the KV cache): output index -> input index.
+        self.inplace = {i: self.names.index(n) for i, n in contract.inplace.items()
+                        if n in self.names}
         self.findings = Findings()
         self.stats: dict[tuple[str, int], OutputStats] = {}
         self.dtypes: dict[int, torch.dtype] = {}
@@ -232,7 +235,13 @@ class Judge:
             return None
         for i, o in enumerate(reply["outputs"]):
             for j in o.get("aliases_inputs", []):
-                self.findings.add("aliasing", f"output {i} aliases input {self._name(j)} {where}")
+                if self.inplace.get(i) != j:
+                    self.findings.add("aliasing", f"output {i} aliases input {self._name(j)} "
+                                                  f"{where}")
+            if i in self.inplace and self.inplace[i] not in o.get("is_input", []):
+                self.findings.add("in_place", f"output {i} must be input "
+                                              f"{self._name(self.inplace[i])} updated in place "
+                                              f"(the op's INPLACE) {where}")
         outs = self.w.unpack(reply["data"], expect)
         if any(o is None for o in outs):
             raise WorkerError("protocol", "worker did not copy outputs it reported well-formed")
@@ -284,8 +293,8 @@ class Judge:
         expect = [self.expect((a,))[0] if isinstance(a, torch.Tensor) else None
                   for a in case.args]
         for j, (d, a) in enumerate(zip(reply["data"], case.args, strict=True)):
-            if not isinstance(a, torch.Tensor):
-                continue
+            if not isinstance(a, torch.Tensor) or j in self.inplace.values():
+                continue  # an in-place output is judged as an output
             (now,) = self.w.unpack([d], [expect[j]])
             if now is None or not bool(bits_equal(now.to(a.device), a).all()):
                 self.findings.add("mutation", f"mutated input {self._name(j)} {where}")

@@ -248,6 +248,11 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1 and a1 > a0
 
 
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype and a.device == b.device)
+
+
 def _describe(outs: tuple, args: list, state: _State, call_id: int) -> list[dict]:
     info = []
     for o in outs:
@@ -258,6 +263,8 @@ def _describe(outs: tuple, args: list, state: _State, call_id: int) -> list[dict
                      device=str(o.device))
             d["aliases_inputs"] = [j for j, a in enumerate(args)
                                    if _type(a) is _is_tensor and _overlaps(o, a)]
+            d["is_input"] = [j for j, a in enumerate(args)  # the very input (INPLACE outputs)
+                             if _type(a) is _is_tensor and _same_tensor(o, a)]
             d["shares_with_calls"] = sorted({k for k, prev in state.outs.items() if k != call_id
                                              for p in prev if _type(p) is _is_tensor
                                              and _overlaps(o, p)})

@@ -87,6 +87,8 @@ def call_shape(op: str, args: tuple, kwargs: dict, cfg, shard) -> dict[str, int]
                     seen.setdefault(d, int(size))
         elif (op, name) in SCALAR_AXES and isinstance(value, int):
             seen[SCALAR_AXES[(op, name)]] = int(value)
+    if op == "attention" and "R" in seen and "page" in seen:
+        seen.setdefault("S", seen["R"] * seen["page"])  # the keys a row's pages hold
     c = CONTRACTS[op]
     base = c.shapes_for(cfg, seen.get("T", 1), shard)
     return {k: seen.get(k, v) for k, v in base.items()} | \
@@ -126,8 +128,10 @@ def _recording_table(ops: OpTable, rec: Recording, cfg, shard, abstract: bool) -
         def call(*args, **kwargs):
             touched = touched_experts(args, kwargs) if name == "moe_experts" else None
             rec.calls.append((name, call_shape(name, args, kwargs, cfg, shard), touched))
-            if abstract and name == "moe_experts":
-                return torch.empty_like(args[0])  # the reference loops over values: none here
+            if abstract and name in ("moe_experts", "attention"):
+                # Their references read values (experts present; a prefill chunk's positions):
+                # none on the meta device. The output has the shape of the first argument.
+                return torch.empty_like(args[0])
             return fn(*args, **kwargs)
 
         return call
@@ -163,10 +167,8 @@ def recording(model, abstract: bool = False) -> Iterator[Recording]:
 # ---- the inventory as OpCalls ------------------------------------------------------------------
 def region_cost(name: str, model, tokens: int, rows: int, context: int,
                 phase: str) -> tuple[dict, Cost]:
-    """Shape and cost of one entry into a model region (GEMMs outside the ops, embeddings, the
-    attention backend: one layer's share of the step's KV traffic)."""
-    from .floor import kv_step_bytes
-
+    """Shape and cost of one entry into a model region (GEMMs outside the ops, embeddings; the
+    attention backend's range holds only the attention op, whose cost is the op's)."""
     cfg, shard = model.config, model.shard
     h, hq_d = cfg.hidden_size, shard.num_attention_heads * cfg.head_dim
     costs: dict[str, Callable[[], tuple[dict, Cost]]] = {
@@ -180,8 +182,7 @@ def region_cost(name: str, model, tokens: int, rows: int, context: int,
                                linear_cost(tokens, shard.intermediate_size, h)),
         "lm_head": lambda: ({"T": rows, "K": h, "N": shard.vocab_size},
                             linear_cost(rows, h, shard.vocab_size)),
-        "paged_attention": lambda: ({"T": tokens, "S": context}, Cost(
-            bytes=kv_step_bytes(model, phase, rows, context) // cfg.num_hidden_layers)),
+        "paged_attention": lambda: ({"T": tokens, "S": context}, Cost(bytes=0)),
     }
     if name not in costs:
         return {"T": tokens}, Cost(bytes=0)

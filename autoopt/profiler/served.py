@@ -32,12 +32,12 @@ from model.serve.engine.sampler import SamplingParams
 from model.serve.engine.scheduler import Status
 
 PAGE_SIZE = 16
-BACKEND_RANGE = "paged_attention"  # the attention backend's KV write and attention
+BACKEND_RANGE = "paged_attention"  # the attention backend (its range holds the attention op)
 
 
 class RangedBackend:
     """The runner's attention backend inside a named range (for the eager labelling and
-    inventory passes): its KV write and batched decode attention are not an op call."""
+    inventory passes); the KV write is the Q/K norm ops', the attention the op's."""
 
     def __init__(self, inner) -> None:
         self.inner = inner

@@ -2,8 +2,11 @@
 
 An op module (`model/ops/<op>.py`) exposes module-level names that `OpContract.from_module`
 collects: `NAME`, `reference`, `make_inputs`, `AXES`, `NUMERICS`, `cost`, `SIGNATURE` and
-`shapes_for` (the shapes a config/target gives the op). The model, the verifier, the benchmarks
-and the agents all read the same module, so there is exactly one reference per operation.
+`shapes_for` (the shapes a config/target gives the op), and optionally `INPLACE` (outputs that
+are inputs updated in place, such as the KV cache the Q/K norm ops write: output index -> the
+argument's name; the verifier compares them as outputs and requires them to be those inputs).
+The model, the verifier, the benchmarks and the agents all read the same module, so there is
+exactly one reference per operation.
 
 Test shapes (what the verifier runs; see `TestShapes`). An op module declares:
     CPU_DIMS      required: the fixed (non-token) dimensions used on CPU, where Triton kernels run
@@ -166,6 +169,7 @@ class OpContract:
     shapes_for: Callable[..., dict[str, int]]
     module: ModuleType
     tests: TestShapes = field(default=None)  # type: ignore[assignment]  # set by from_module
+    inplace: Mapping[int, str] = field(default_factory=dict)
 
     @property
     def token_dim(self) -> int:
@@ -194,6 +198,7 @@ class OpContract:
                 shapes=getattr(module, "test_shapes", None) or default_test_shapes(module),
                 cpu_free_dims=dict(getattr(module, "CPU_FREE_DIMS", {})),
             ),
+            inplace=dict(getattr(module, "INPLACE", {})),
         )
 
 

@@ -1,12 +1,17 @@
-"""qk_norm_ssmax(q[T,Hq,D], k[T,Hkv,D], q_weight[D], k_weight[D], positions[T], eps)
--> (q_out[T,Hq,D], k_out[T,Hkv,D])
+"""qk_norm_ssmax(q[T,Hq,D], k[T,Hkv,D], v[T,Hkv,D], q_weight[D], k_weight[D], positions[T], eps,
+k_cache[P,page,Hkv,D], v_cache[P,page,Hkv,D], slots[T]) -> (q_out[T,Hq,D], k_cache, v_cache)
 
 Full-attention (NoPE) layers: per-head RMSNorm of q and k; then scalable softmax scales q only:
     tau = exp(0.1 * log1p((pos + 1) / 2048))   FP32, pos 0-based
     q   = bf(f32(bf(q_normed)) * tau)
-Attention still uses scale 1/sqrt(head_dim); tau is not folded into it (NUMERICS.md). On the GPU
-a pow-based tau differs from exp/log1p in a third of the FP32 values; on the CPU the two agree
+Attention still uses scale 1/sqrt(head_dim); tau is not folded into it (docs/numerics.md). On the
+GPU a pow-based tau differs from exp/log1p in a third of the FP32 values; on the CPU the two agree
 after BF16 rounding, so pow is not usable as a near miss there.
+
+Like `qk_norm_rope`, the op writes the layer's KV cache (model/ops/_paged.py): the normed K of
+token t and its V go to slot `slots[t]`; the caches are updated in place and returned as outputs
+1 and 2 (`INPLACE`). These layers' attention is then plain causal over the cache, with q already
+scaled by tau.
 """
 
 from __future__ import annotations
@@ -14,16 +19,21 @@ from __future__ import annotations
 import torch
 
 from ._contract import Cost, Numerics, Shape, gen, norm_weight, randn
+from ._paged import DEFAULT_PAGE, cache_bytes, cache_inputs, write_kv
 from .rmsnorm import reference as rmsnorm
 
 NAME = "qk_norm_ssmax"
 SIGNATURE = (
-    "qk_norm_ssmax(q[T,Hq,D] bf16, k[T,Hkv,D] bf16, q_weight[D] bf16, k_weight[D] bf16, "
-    "positions[T] int64, eps: float) -> (q[T,Hq,D], k[T,Hkv,D]) bf16"
+    "qk_norm_ssmax(q[T,Hq,D] bf16, k[T,Hkv,D] bf16, v[T,Hkv,D] bf16, q_weight[D] bf16, "
+    "k_weight[D] bf16, positions[T] int64, eps: float, k_cache[P,page,Hkv,D] bf16, "
+    "v_cache[P,page,Hkv,D] bf16, slots[T] int64) -> (q[T,Hq,D] bf16, k_cache, v_cache)"
 )
-AXES = {"T": "tokens (varies)", "Hq": "query heads/rank", "Hkv": "KV heads/rank", "D": "head_dim"}
-# Test shapes (model/ops/_contract.py "Test shapes").
-CPU_DIMS = {"Hq": 6, "Hkv": 1, "D": 128}
+AXES = {"T": "tokens (varies)", "Hq": "query heads/rank", "Hkv": "KV heads/rank", "D": "head_dim",
+        "page": "KV cache page size", "P": "pages in the layer's cache (varies)"}
+# Outputs that are inputs updated in place: output index -> argument name.
+INPLACE = {1: "k_cache", 2: "v_cache"}
+# Test shapes (model/ops/_contract.py "Test shapes"); pages of 4 so writes cross page edges.
+CPU_DIMS = {"Hq": 6, "Hkv": 1, "D": 128, "page": 4}
 CPU_FREE_DIMS = {"Hq": (1, 12)}  # Hkv = 1: any Hq is a whole GQA group
 EDGE_SCALES = {"tiny": {0: 2.0**-40, 1: 2.0**-40}, "huge": {0: 2.0**40, 1: 2.0**40}}
 
@@ -33,15 +43,32 @@ def ssmax_scale(positions: torch.Tensor) -> torch.Tensor:
     return torch.exp(0.1 * torch.log1p((positions.float() + 1) / 2048))
 
 
-def reference(q, k, q_weight, k_weight, positions, eps: float):
+def norm_ssmax(q, k, q_weight, k_weight, positions, eps: float):
+    """(q_out, k_out): the norms and the query scale without the cache write."""
     qn = rmsnorm(q, q_weight, eps)
     tau = ssmax_scale(positions)[:, None, None]
     return (qn.float() * tau).to(q.dtype), rmsnorm(k, k_weight, eps)
 
 
+def reference(q, k, v, q_weight, k_weight, positions, eps: float, k_cache, v_cache, slots):
+    q_out, k_out = norm_ssmax(q, k, q_weight, k_weight, positions, eps)
+    write_kv(k_cache, v_cache, slots, k_out, v)
+    return q_out, k_cache, v_cache
+
+
+def _with_write(fn):
+    # A near miss of the norm/scale math, written to the cache as the reference writes.
+    def near(q, k, v, q_weight, k_weight, positions, eps, k_cache, v_cache, slots):
+        q_out, k_out = fn(q, k, q_weight, k_weight, positions, eps)
+        write_kv(k_cache, v_cache, slots, k_out, v)
+        return q_out, k_cache, v_cache
+
+    return near
+
+
 def _zero_based_position(q, k, q_weight, k_weight, positions, eps):
     # Near miss: tau from the 0-based position (pos / 2048 instead of (pos + 1) / 2048).
-    return reference(q, k, q_weight, k_weight, positions - 1, eps)
+    return norm_ssmax(q, k, q_weight, k_weight, positions - 1, eps)
 
 
 def _scale_unrounded_norm(q, k, q_weight, k_weight, positions, eps):
@@ -58,8 +85,8 @@ NUMERICS = Numerics(
     max_ulp=2,
     max_mismatch_fraction=1e-3,
     near_misses={
-        "zero_based_position": _zero_based_position,
-        "scale_unrounded_norm": _scale_unrounded_norm,
+        "zero_based_position": _with_write(_zero_based_position),
+        "scale_unrounded_norm": _with_write(_scale_unrounded_norm),
     },
 )
 
@@ -71,16 +98,21 @@ def make_inputs(shape: Shape, seed: int, device="cpu", dtype=torch.bfloat16) -> 
     k = randn((t, hkv, d), g, dtype, device, scale=2.0)
     start = int(torch.randint(0, 1_000_000 - t, (1,), generator=g))
     positions = torch.arange(start, start + t, device=device)
-    return q, k, norm_weight(d, g, dtype, device), norm_weight(d, g, dtype, device), positions, 1e-6
+    qw, kw = norm_weight(d, g, dtype, device), norm_weight(d, g, dtype, device)
+    v = randn((t, hkv, d), g, dtype, device)
+    k_cache, v_cache, slots = cache_inputs(shape, g, dtype, device)
+    return q, k, v, qw, kw, positions, 1e-6, k_cache, v_cache, slots
 
 
 def cost(shape: Shape) -> Cost:
     t, hq, hkv, d = shape["T"], shape["Hq"], shape["Hkv"], shape["D"]
     n = t * (hq + hkv) * d
-    return Cost(bytes=2 * 2 * n + 8 * t, flops=6 * n)
+    # q and k read, q written, the positions, then the cache write (k out, v through).
+    return Cost(bytes=2 * (2 * t * hq * d + t * hkv * d) + 8 * t + cache_bytes(shape),
+                flops=6 * n)
 
 
-def shapes_for(cfg, tokens: int, shard=None) -> dict[str, int]:
+def shapes_for(cfg, tokens: int, shard=None, page_size: int = DEFAULT_PAGE) -> dict[str, int]:
     hq = shard.num_attention_heads if shard else cfg.num_attention_heads
     hkv = shard.num_key_value_heads if shard else cfg.num_key_value_heads
-    return {"T": tokens, "Hq": hq, "Hkv": hkv, "D": cfg.head_dim}
+    return {"T": tokens, "Hq": hq, "Hkv": hkv, "D": cfg.head_dim, "page": page_size}

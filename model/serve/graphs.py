@@ -21,7 +21,8 @@ from collections.abc import Sequence
 import torch
 
 from ..ops import OpTable
-from .paged_attention import DecodeMeta, PagedBatch
+from .engine.kv_cache import FULL, SWA
+from .paged_attention import PagedBatch, PoolMeta
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ class DecodeGraphs:
         self.full_table = torch.zeros(b, self.full_width, dtype=torch.long, device=dev)
         self.swa_table = torch.zeros(b, self.swa_width, dtype=torch.long, device=dev)
         self.swa_base = torch.zeros(b, dtype=torch.long, device=dev)
+        self.full_base = torch.zeros(b, dtype=torch.long, device=dev)  # stays 0
+        self.q_seq = torch.arange(b, dtype=torch.long, device=dev)  # row r is sequence r
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.ready = False
@@ -71,16 +74,15 @@ class DecodeGraphs:
 
     def forward(self, b: int) -> torch.Tensor:
         """The decode forward over the first b static rows -> FP32 logits [b, V]."""
-        meta = DecodeMeta(self.full_table[:b], self.swa_table[:b], self.swa_base[:b])
-        batch = PagedBatch(self.positions[:b], [(i, i + 1) for i in range(b)],
-                           self.full_write[:b], self.swa_write[:b], b, meta, ())
+        pools = {FULL: PoolMeta(self.full_table[:b], self.full_base[:b], self.full_write[:b]),
+                 SWA: PoolMeta(self.swa_table[:b], self.swa_base[:b], self.swa_write[:b])}
+        batch = PagedBatch(self.positions[:b], [(i, i + 1) for i in range(b)], self.q_seq[:b],
+                           pools, b)
         model = self.runner.model
         return model.compute_logits(model.forward_tokens(self.ids[:b], self.positions[:b], batch))
 
     def load(self, chunks: Sequence) -> int:
         """Copy the step's inputs into the static buffers; padded rows use page 0 only."""
-        from .engine.kv_cache import FULL, SWA
-
         n, b = len(chunks), self.bucket(len(chunks))
         cache = self.runner.cache
         full, swa, base = self.runner.decode_meta(chunks, self.full_width, self.swa_width)
@@ -98,15 +100,7 @@ class DecodeGraphs:
             buf[:b].copy_(torch.tensor(values + [0] * pad, dtype=torch.long))
         self.full_table[:b].copy_(torch.tensor(full + [[0] * self.full_width] * pad))
         self.swa_table[:b].copy_(torch.tensor(swa + [[0] * self.swa_width] * pad))
-        self._plan(b, chunks)
         return b
-
-    def _plan(self, b: int, chunks: Sequence) -> None:
-        """A backend that plans per step (FlashInfer) rewrites bucket b's static page-table
-        buffers, outside the graph, before every warm-up, capture and replay."""
-        plan = getattr(self.runner.model.attention_backend, "plan_graph", None)
-        if plan is not None:
-            plan(b, chunks)
 
     @torch.no_grad()
     def run(self, chunks: Sequence, replay: bool | None = None) -> torch.Tensor:
@@ -132,7 +126,6 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         try:
             for b in reversed(self.buckets):
-                self._plan(b, [])  # every row padded: the null page
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):

@@ -1,11 +1,12 @@
 """Runs one scheduled step through the model: flat token batch in, FP32 logits out.
 
-A step mixes single-token decodes and prefill chunks of any length. Tokens are laid out decodes
-first (batched attention over padded page tables where enabled), then each other chunk (attention
-per sequence through the `attention` op). Logits are computed only for the last token of each
-chunk that samples. Decode-only steps replay a captured CUDA graph when `cuda_graphs` is on.
-Attention runs through `PagedAttention` (torch) or, on a GPU, `FlashInferAttention`
-(`attention_backend`: auto | torch | flashinfer), which `prepare` plans once per step.
+A step mixes single-token decodes and prefill chunks of any length, laid out chunk by chunk
+(decodes first where `batched_decode` orders them so). `prepare` describes the step once per
+KV pool (page-table rows, first positions, the new tokens' slots; `PoolMeta`), and every layer's
+Q/K norm op writes K/V and its `attention` op reads them through `PagedAttention`. Which
+attention kernel runs is the registry's choice for the op (`attention_backend` overrides it:
+model/serve/attention_backends.py). Logits are computed only for the last token of each chunk
+that samples. Decode-only steps replay a captured CUDA graph when `cuda_graphs` is on.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from typing import Protocol
 import torch
 
 from ..beam import BeamForCausalLM
+from . import attention_backends
 from .engine.kv_cache import FULL, SWA, PagedKVCache
-from .flashinfer_attention import make_backend
-from .paged_attention import DecodeMeta, PagedBatch, SeqKeys
+from .paged_attention import PagedAttention, PagedBatch, PoolMeta, pad_rows
 
 log = logging.getLogger(__name__)
 
@@ -38,21 +39,17 @@ def _long(values, device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
 
 
-def _pad_rows(rows: Sequence[Sequence[int]], width: int) -> list[list[int]]:
-    return [list(r) + [0] * (width - len(r)) for r in rows]
-
-
 class ModelRunner:
     def __init__(self, model: BeamForCausalLM, cache: PagedKVCache, *, max_num_seqs: int,
                  max_model_len: int, cuda_graphs: bool = False,
-                 batched_decode: bool | None = None, attention_backend: str = "auto") -> None:
+                 batched_decode: bool | None = None, attention_backend: str = "auto",
+                 registry: str | None = None) -> None:
         self.model = model
         self.cache = cache
         self.device = model.device
         self.max_model_len = max_model_len
         self.notes: list[str] = []
-        # Batched decode attention on the GPU (one launch for all decodes); the CPU default keeps
-        # every query on the `attention` op, the reference path.
+        # Decodes first on the GPU (the layout CUDA graphs replay); the CPU keeps chunk order.
         self.batched_decode = (self.device.type == "cuda") if batched_decode is None \
             else batched_decode
         if model.inv_freq is not None:
@@ -60,12 +57,13 @@ class ModelRunner:
             # values changes nothing and spares a host-to-device copy inside every step (and
             # inside CUDA-graph capture, where it is not allowed).
             model.inv_freq = model.inv_freq.to(self.device)
-        # torch (PagedAttention) or FlashInfer (GPU); `auto` never imports FlashInfer off the GPU.
-        backend, self.attention_backend, note = make_backend(
-            attention_backend, cache, lambda: self.model.ops,
-            num_qo_heads=model.shard.num_attention_heads, max_model_len=max_model_len)
+        # The attention op's implementation: the lock's, or the one --attention-backend names.
+        ops, note = attention_backends.select(attention_backend, model.ops, self.device,
+                                              model.dtype, registry)
+        model.set_ops(ops)
+        self.attention_backend = attention_backend
         self.notes.append(note)
-        model.attention_backend = backend
+        model.attention_backend = PagedAttention(cache, lambda: self.model.ops)
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
             from .graphs import DecodeGraphs
@@ -78,40 +76,35 @@ class ModelRunner:
     # ---- batch building ---------------------------------------------------------------------
     def decode_meta(self, chunks: Sequence[StepChunk], full_width: int | None = None,
                     swa_width: int | None = None) -> tuple[list, list, list]:
-        """Host page tables (padded) of single-token chunks: (full rows, swa rows, swa bases)."""
+        """Host page tables of chunks, padded with the null page: (full rows, window rows,
+        position of each window row's first slot)."""
         tables = [self.cache.page_tables(c.seq_id) for c in chunks]
         full_w = full_width or max((len(t[0]) for t in tables), default=1) or 1
         swa_w = swa_width or max((len(t[1]) for t in tables), default=1) or 1
-        return (_pad_rows([t[0] for t in tables], full_w), _pad_rows([t[1] for t in tables], swa_w),
+        return (pad_rows([t[0] for t in tables], full_w), pad_rows([t[1] for t in tables], swa_w),
                 [t[2] for t in tables])
 
     def prepare(self, chunks: Sequence[StepChunk]) -> tuple[torch.Tensor, torch.Tensor,
                                                             PagedBatch, list[int]]:
         """(ids [T], positions [T], batch, index of each chunk's last token) in `chunks` order;
-        `chunks` must list batched decodes first (see `order`)."""
-        dev, window = self.device, self.cache.layout.window
-        ids, pos, full_w, swa_w, bounds, keys = [], [], [], [], [], []
-        num_decode = sum(1 for c in chunks if self._batched(c)) if self.batched_decode else 0
+        every chunk's pages must be allocated for this step."""
+        dev = self.device
+        ids, pos, q_seq, bounds = [], [], [], []
+        writes: dict[str, list[int]] = {FULL: [], SWA: []}
         for i, c in enumerate(chunks):
             start, stop = c.start, c.start + c.num_tokens
             bounds.append((len(ids), len(ids) + c.num_tokens))
             ids += c.token_ids
             pos += range(start, stop)
-            full_w += self.cache.slots(c.seq_id, FULL, start, stop)
-            swa_w += self.cache.slots(c.seq_id, SWA, start, stop)
-            if i >= num_decode:
-                lo = max(0, start - window + 1) if window else 0
-                keys.append(SeqKeys(_long(self.cache.slots(c.seq_id, FULL, 0, stop), dev),
-                                    _long(self.cache.slots(c.seq_id, SWA, lo, stop), dev), lo))
-        meta = None
-        if num_decode:
-            ft, st, base = self.decode_meta(chunks[:num_decode])
-            meta = DecodeMeta(_long(ft, dev), _long(st, dev), _long(base, dev))
-        batch = PagedBatch(_long(pos, dev), bounds, _long(full_w, dev), _long(swa_w, dev),
-                           num_decode, meta, keys)
-        plan = getattr(self.model.attention_backend, "plan_step", None)
-        if plan is not None:  # FlashInfer: page tables once per step, shared by every layer
-            plan(chunks, num_decode)
+            q_seq += [i] * c.num_tokens
+            for group in (FULL, SWA):
+                writes[group] += self.cache.slots(c.seq_id, group, start, stop)
+        full, swa, base = self.decode_meta(chunks)
+        zeros = [0] * len(chunks)  # full-attention rows start at position 0
+        pools = {FULL: PoolMeta(_long(full, dev), _long(zeros, dev), _long(writes[FULL], dev)),
+                 SWA: PoolMeta(_long(swa, dev), _long(base, dev), _long(writes[SWA], dev))}
+        num_decode = sum(1 for c in chunks if self._batched(c)) if self.batched_decode else 0
+        batch = PagedBatch(_long(pos, dev), bounds, _long(q_seq, dev), pools, num_decode)
         return _long(ids, dev), batch.positions, batch, [b[1] - 1 for b in bounds]
 
     @staticmethod

@@ -46,3 +46,16 @@ def _exp(x, ON_GPU: tl.constexpr):
     else:
         return tl.exp(x.to(tl.float64)).to(tl.float32)
 # {{end}}
+
+
+# A BF16 x BF16 -> FP32 tile product. The interpreter misreads BF16 tl.dot operands, so there
+# the exactly widened FP32 values are multiplied in IEEE FP32 (BF16 products are exact in FP32).
+# Needs bf16_to_f32 above it.
+# {{snippet dot}}
+@triton.jit
+def _dot(a, b, ON_GPU: tl.constexpr):
+    if ON_GPU:
+        return tl.dot(a, b)
+    else:
+        return tl.dot(_bf16_to_f32(a), _bf16_to_f32(b), input_precision="ieee")
+# {{end}}

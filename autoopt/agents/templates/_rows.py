@@ -135,3 +135,47 @@ def torch_head_layout(d: int) -> tuple[int, int]:
     vec = 4 if d >= 128 else 1
     return max(1, min(d // vec, 512)), vec
 # {{end}}
+
+
+# The KV-cache write both Q/K norm ops do: where a head row's result goes (q: token-major
+# [T, heads, D]; k and v: slot-major in the layer's cache [P * page, heads, D]), the bit copy of
+# V's rows, and the host-side checks of the cache arguments.
+# {{snippet kv_write}}
+@triton.jit
+def _dest(rows, rvalid, heads, slots_ptr, D: tl.constexpr, TO_CACHE: tl.constexpr):
+    tok = (rows // heads).to(tl.int64)
+    head = (rows % heads).to(tl.int64)
+    if TO_CACHE:
+        tok = tl.load(slots_ptr + tok, mask=rvalid, other=0).to(tl.int64)
+    return (tok * heads + head) * D
+
+
+@triton.jit
+def _copy_v_rows(v_ptr, vc_ptr, slots_ptr, row0, n_rows, heads, stride_t, stride_h,
+                 D: tl.constexpr, ROWS: tl.constexpr):
+    rows = row0 + tl.arange(0, ROWS)
+    rvalid = rows < n_rows
+    cols = tl.arange(0, D)
+    src = ((rows // heads).to(tl.int64) * stride_t + (rows % heads).to(tl.int64) * stride_h)
+    v = tl.load(v_ptr + src[:, None] + cols[None, :], mask=rvalid[:, None], other=0.0)
+    dst = _dest(rows, rvalid, heads, slots_ptr, D, True)
+    tl.store(vc_ptr + dst[:, None] + cols[None, :], v, mask=rvalid[:, None])
+
+
+def check_cache(k, v, k_cache, v_cache, slots) -> None:
+    if v.shape != k.shape or v.dtype != k.dtype or v.stride(2) != 1:
+        raise ValueError(f"v must be like k {tuple(k.shape)} {k.dtype} with unit stride along "
+                         f"D; got {tuple(v.shape)} {v.dtype} strides {v.stride()}")
+    if (k_cache.dim() != 4 or k_cache.shape != v_cache.shape
+            or tuple(k_cache.shape[2:]) != tuple(k.shape[1:])):
+        raise ValueError(f"k_cache/v_cache must be [P, page, Hkv, D] with [Hkv, D] = "
+                         f"{tuple(k.shape[1:])}; got {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous (one layer's pages)")
+    if k_cache.dtype != k.dtype or v_cache.dtype != k.dtype:
+        raise ValueError(f"the cache must be {k.dtype}, got {k_cache.dtype}, {v_cache.dtype}")
+    if slots.shape != (k.shape[0],) or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slots must be int32/int64 [{k.shape[0]}], got {tuple(slots.shape)} "
+                         f"{slots.dtype}")
+# {{end}}

@@ -1,8 +1,9 @@
-"""qk_norm_ssmax: per-head RMSNorm of q and k, then the SSMax query scale, fused in one launch.
+"""qk_norm_ssmax: per-head RMSNorm of q and k, the SSMax query scale and the K/V cache write in one
+launch.
 
 # {{HEADER}}
 
-Formula (NUMERICS.md "Q/K norm then SSMax"), per head row x[D] with its own weight w:
+Formula (docs/numerics.md "Q/K norm then SSMax"), per head row x[D] with its own weight w:
     n   = bf( f32(w) * ( f32(x) * rsqrt(mean(f32(x)^2) + eps) ) )        rounding 1 (q and k)
     tau = exp(0.1 * log1p((pos + 1) / 2048))                               FP32, per token
     q'  = bf( f32(n) * tau )                                               rounding 2 (q only)
@@ -12,8 +13,11 @@ log1p, so there both are evaluated in FP64 and rounded, within the op's ulp(1) p
 of squares follows torch's CUDA order for the head row (32 lanes x 4 consecutive elements for
 D = 128, then a halving tree), and torch's CPU order (AVX vectors into four accumulators) in
 the interpreter. BF16 rounding is done on the bit pattern (the
-interpreter's cast truncates). One program handles ROWS head rows of q or of k, one launch.
-Memory traffic: read (Hq+Hkv)*T*D bf16 + T int64 positions, write (Hq+Hkv)*T*D bf16.
+interpreter's cast truncates). One program handles ROWS head rows of q or of k; a k program
+writes its rows straight into the layer's KV cache at the tokens' slots and copies the same rows
+of V there (bits): one launch, cache write included.
+Memory traffic: read (Hq+2*Hkv)*T*D bf16 + T int64 positions and slots, write Hq*T*D bf16 (q)
+and 2*Hkv*T*D bf16 (the cache).
 """
 
 from __future__ import annotations
@@ -58,9 +62,12 @@ def _exp(x, ON_GPU: tl.constexpr):
 # {{rows.cpu_sum_inv_rms}}: _seq_sum, _cpu_row_sum_sq, _inv_rms
 
 
+# {{rows.kv_write}}: _dest, _copy_v_rows, check_cache
+
+
 @triton.jit
-def _norm_ssmax_rows(x_ptr, w_ptr, pos_ptr, out_ptr, row0, n_rows, heads, stride_t, stride_h,
-                     inv_n, eps, D: tl.constexpr, TX: tl.constexpr, VEC: tl.constexpr,
+def _norm_ssmax_rows(x_ptr, w_ptr, pos_ptr, out_ptr, slots_ptr, row0, n_rows, heads, stride_t,
+                     stride_h, inv_n, eps, D: tl.constexpr, TX: tl.constexpr, VEC: tl.constexpr,
                      ROWS: tl.constexpr, SCALE: tl.constexpr, CPU_LANES: tl.constexpr,
                      ON_GPU: tl.constexpr):
     rows = row0 + tl.arange(0, ROWS)
@@ -84,25 +91,27 @@ def _norm_ssmax_rows(x_ptr, w_ptr, pos_ptr, out_ptr, row0, n_rows, heads, stride
         u = _mul(_add(pos, 1.0, ON_GPU), 0.00048828125, ON_GPU)
         tau = _exp(_mul(_log1p(u, ON_GPU), 0.1, ON_GPU), ON_GPU)[:, None]
         y = _f32_to_bf16(_mul(_bf16_to_f32(y), tau, ON_GPU))
-    out = out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :]
-    tl.store(out, y, mask=rmask)
+    # The scaled rows are q (token-major), the unscaled ones k (into the cache at their slots).
+    dst = _dest(rows, rvalid, heads, slots_ptr, D, not SCALE)
+    tl.store(out_ptr + dst[:, None] + cols[None, :], y, mask=rmask)
 
 
 @triton.jit
-def _qk_norm_ssmax_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, qo_ptr, ko_ptr,
-                          T, HQ, HKV, q_st, q_sh, k_st, k_sh, inv_n, eps,
+def _qk_norm_ssmax_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, qo_ptr, kc_ptr, vc_ptr,
+                          slots_ptr, T, HQ, HKV, q_st, q_sh, k_st, k_sh, v_st, v_sh, inv_n, eps,
                           D: tl.constexpr, TX: tl.constexpr, VEC: tl.constexpr,
                           ROWS: tl.constexpr, CPU_LANES: tl.constexpr,
                           ON_GPU: tl.constexpr):
     pid = tl.program_id(0)
     q_programs = tl.cdiv(T * HQ, ROWS)
     if pid < q_programs:
-        _norm_ssmax_rows(q_ptr, qw_ptr, pos_ptr, qo_ptr, pid * ROWS, T * HQ, HQ, q_st, q_sh,
-                         inv_n, eps, D, TX, VEC, ROWS, True, CPU_LANES, ON_GPU)
+        _norm_ssmax_rows(q_ptr, qw_ptr, pos_ptr, qo_ptr, slots_ptr, pid * ROWS, T * HQ, HQ,
+                         q_st, q_sh, inv_n, eps, D, TX, VEC, ROWS, True, CPU_LANES, ON_GPU)
     else:
-        _norm_ssmax_rows(k_ptr, kw_ptr, pos_ptr, ko_ptr, (pid - q_programs) * ROWS, T * HKV,
-                         HKV, k_st, k_sh, inv_n, eps, D, TX, VEC, ROWS, False, CPU_LANES,
-                         ON_GPU)
+        row0 = (pid - q_programs) * ROWS
+        _norm_ssmax_rows(k_ptr, kw_ptr, pos_ptr, kc_ptr, slots_ptr, row0, T * HKV, HKV, k_st,
+                         k_sh, inv_n, eps, D, TX, VEC, ROWS, False, CPU_LANES, ON_GPU)
+        _copy_v_rows(v_ptr, vc_ptr, slots_ptr, row0, T * HKV, HKV, v_st, v_sh, D, ROWS)
 
 
 # {{rows.layout}}: cpu_lanes, torch_head_layout
@@ -124,34 +133,36 @@ def _check(q, k, q_weight, k_weight, positions) -> None:
         raise ValueError(f"q and k must be bf16, got {q.dtype}, {k.dtype}")
 
 
-def qk_norm_ssmax_fwd(q, k, q_weight, k_weight, positions, eps: float, rows: int,
-                      num_warps: int):
-    """Launch the fused kernel with an explicit config."""
+def qk_norm_ssmax_fwd(q, k, v, q_weight, k_weight, positions, eps: float, k_cache, v_cache,
+                      slots, rows: int, num_warps: int):
+    """Launch the fused kernel with an explicit config; k_cache/v_cache are written in place."""
     _check(q, k, q_weight, k_weight, positions)
     q = q if q.stride(2) == 1 else q.contiguous()
     k = k if k.stride(2) == 1 else k.contiguous()
-    positions = positions.contiguous()
+    v = v if v.stride(2) == 1 else v.contiguous()
+    check_cache(k, v, k_cache, v_cache, slots)
+    positions, slots = positions.contiguous(), slots.contiguous()
     q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
     t, hq, d = q.shape
     hkv = k.shape[1]
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((t, hkv, d), dtype=k.dtype, device=k.device)
     if t == 0:
-        return q_out, k_out
+        return q_out, k_cache, v_cache
     tx, vec = torch_head_layout(d)
     grid = (triton.cdiv(t * hq, rows) + triton.cdiv(t * hkv, rows),)
     _qk_norm_ssmax_kernel[grid](
-        q, k, q_weight, k_weight, positions, q_out, k_out, t, hq, hkv,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q, k, v, q_weight, k_weight, positions, q_out, k_cache, v_cache, slots, t, hq, hkv,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         float(np.float32(1.0) / np.float32(d)), eps,
         D=d, TX=tx, VEC=vec, ROWS=rows, CPU_LANES=0 if q.is_cuda else cpu_lanes(d),
         ON_GPU=q.is_cuda, num_warps=num_warps,
     )
-    return q_out, k_out
+    return q_out, k_cache, v_cache
 
 
-def run(q, k, q_weight, k_weight, positions, eps: float, config: dict | None = None):
-    """qk_norm_ssmax(q, k, q_weight, k_weight, positions, eps) -> (q_out, k_out)."""
+def run(q, k, v, q_weight, k_weight, positions, eps: float, k_cache, v_cache, slots,
+        config: dict | None = None):
+    """qk_norm_ssmax(...) -> (q_out, k_cache, v_cache); the cache is updated in place."""
     cfg = {**DEFAULT_CONFIG, **(config or {})}
-    return qk_norm_ssmax_fwd(q, k, q_weight, k_weight, positions, eps, int(cfg["ROWS"]),
-                             int(cfg["num_warps"]))
+    return qk_norm_ssmax_fwd(q, k, v, q_weight, k_weight, positions, eps, k_cache, v_cache,
+                             slots, int(cfg["ROWS"]), int(cfg["num_warps"]))

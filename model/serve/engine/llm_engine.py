@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ...beam import Batch, BeamForCausalLM, CausalAttention
+from .. import attention_backends
 from ..runner import ModelRunner
 from .batch_invariant import TokenwiseRunner
 from .faults import StepIsolation
@@ -66,7 +67,9 @@ class EngineConfig:
     seed: int = 0
     tp: int = 1  # tensor-parallel ranks (engine/tp_worker.py starts them)
     ep: int = 1  # expert parallelism: 1 (experts split by TP) or tp (experts split across ranks)
-    attention_backend: str = "auto"  # auto | torch | flashinfer (model/serve/flashinfer_attention)
+    # The attention op's variant: auto (the lock) | torch | triton | flashinfer | a variant name
+    # (model/serve/attention_backends.py).
+    attention_backend: str = "auto"
     registry: str | None = None  # the registry DIR kernels and their lock come from (None: default)
     batch_invariant: bool = False  # one forward per token: batching never changes a token
 
@@ -76,9 +79,7 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
-        if self.attention_backend not in ("auto", "torch", "flashinfer"):
-            raise ValueError(f"attention_backend {self.attention_backend!r} is not one of "
-                             "auto, torch, flashinfer")
+        attention_backends.check_name(self.attention_backend)
         if self.ep not in (1, self.tp):
             raise ValueError(f"ep={self.ep} must be 1 (experts split by TP) or equal to "
                              f"tp={self.tp} (experts split across the ranks)")
@@ -155,7 +156,8 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.cache)
         self.runner = ModelRunner(self.model, self.cache, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, cuda_graphs=config.cuda_graphs,
-                                  attention_backend=config.attention_backend)
+                                  attention_backend=config.attention_backend,
+                                  registry=config.registry)
         if config.batch_invariant:
             self.runner = TokenwiseRunner(self.runner)
         self.sampler = Sampler()

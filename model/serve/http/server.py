@@ -47,7 +47,7 @@ class ServeOptions:
     served_model_name: str | None = None
     tp: int | None = None  # tensor-parallel ranks (model/serve/engine/tp_worker.py)
     ep: int | None = None
-    attention_backend: str | None = None  # auto | torch | flashinfer
+    attention_backend: str | None = None  # model/serve/attention_backends.py
     registry: str | None = None  # registry DIR of the kernels and the lock
     demo_checkpoint: Path | None = None  # where the demo is written when `model` is None
     allowed_origins: tuple[str, ...] = ()  # web origins that may call the server ("*": any)

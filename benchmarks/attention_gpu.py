@@ -1,0 +1,353 @@
+"""The attention block on one GPU: correctness against the references and time under CUDA graphs.
+
+On one H200 (the lead runs it; under 5 minutes, `--budget-s` bounds it):
+    python benchmarks/attention_gpu.py --out $OUT
+measures, at Beam's TP8 rank shapes (H=5120, Hq=6, Hkv=1, D=128, pages of 16):
+  1. decode attention per layer, contexts 1k/8k/32k/128k x batch 1/8/32/64, full-attention and
+     sliding-window (512) layers: the torch reference path, attention/triton_v1 and, where
+     flashinfer imports, attention/flashinfer_v1 (its decode kernel JIT-compiles once, ~20-35 s,
+     into FlashInfer's cache; `--no-flashinfer` skips it). Each against the reference: max ulp,
+     mismatch fraction, and mismatches against the reference and the fp32_probs near miss (a
+     kernel at the eager rounding points is far closer to the reference). Every row's pages are
+     its own, scattered over the pool, so nothing is served from L2 by sharing.
+  2. qkv_gate_proj at T = 1..64: cuBLAS (the reference) and triton_v1 (a small config sweep for
+     T <= 16), against the HBM floor of the weight stream.
+  3. qk_norm_rope / qk_norm_ssmax with the KV write: the reference and template_rows_v2.
+  4. kernels launched by one attention block at bs 1 (qkv_gate_proj .. o_proj, through the
+     serving runtime's paged backend), reference ops vs the block's variants.
+Times are medians of CUDA-graph replays of 20 back-to-back calls. Writes $OUT/attention_gpu.json
+and $OUT/attention_gpu.md, then prints the short table. `--dry-run` runs the same code on the CPU
+with tiny shapes (interpreter; eager timings, not meaningful) to check it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from model.ops import OpTable, contract  # noqa: E402
+from model.registry import Registry  # noqa: E402
+
+GPU = SimpleNamespace(contexts=(1024, 8192, 32768, 131072), batches=(1, 8, 32, 64),
+                      tokens=(1, 2, 4, 8, 16, 32, 64), H=5120, Hq=6, Hkv=1, D=128, page=16,
+                      window=512, pages=4096)
+DRY = SimpleNamespace(contexts=(40, 70), batches=(1, 3), tokens=(1, 3, 17), H=256, Hq=6, Hkv=1,
+                      D=128, page=16, window=16, pages=8)
+QKV_SWEEP = [{"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": s, "num_warps": 4}
+             for n in (16, 32) for k in (256, 512) for s in (1, 2, 4)]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="Output directory.")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: check the logic.")
+    p.add_argument("--budget-s", type=float, default=270.0,
+                   help="Stop starting new attention cases after this many seconds.")
+    p.add_argument("--no-flashinfer", action="store_true", help="Skip FlashInfer.")
+    return p.parse_args(argv)
+
+
+# ---- timing and comparison ------------------------------------------------------------------
+def timed(fn, device: torch.device, calls: int = 20, reps: int = 7) -> float:
+    """Median µs per call: CUDA-graph replays of `calls` back-to-back calls (eager on CPU)."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e6
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    samples = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(samples)
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    ia = torch.where(ia < 0, -(ia & 0x7FFF), ia)
+    ib = torch.where(ib < 0, -(ib & 0x7FFF), ib)
+    return (ia - ib).abs()
+
+
+def compare(got, ref, near=None, magnitude=None) -> dict:
+    """Max ulp and mismatch fraction; with `magnitude`, ulps at max(|ref|, magnitude), as the
+    op's verifier counts them (sums whose terms cancel)."""
+    from autoopt.eval.numerics import ulp_diff_at
+
+    d = ulps(got, ref) if magnitude is None else ulp_diff_at(got, ref, magnitude).abs()
+    row = {"max_ulp": int(d.max()), "mismatch": float((d > 0).float().mean())}
+    if near is not None:
+        row["vs_ref"], row["vs_near"] = int((got != ref).sum()), int((got != near).sum())
+    return row
+
+
+def hbm_bytes_per_s(device: torch.device) -> float:
+    if device.type != "cuda":
+        return 1e11
+    x = torch.empty(256 << 20, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+    us = timed(lambda: torch.neg(x, out=y), device, calls=5, reps=5)
+    return 2 * x.numel() * 4 / (us * 1e-6)
+
+
+# ---- decode attention -------------------------------------------------------------------------
+def decode_case(ctx: int, batch: int, window: int, s, device, gen) -> tuple:
+    """The attention contract's inputs for `batch` decodes at position ctx - 1, each row in its
+    own scattered pages (window layers: the pages from the window's first key)."""
+    page = s.page
+    base = (max(0, ctx - window) // page) * page if window else 0
+    per_row = -(-(ctx - base) // page)
+    pool = 1 + batch * per_row
+    perm = torch.randperm(pool - 1, device=device, generator=gen) + 1
+    table = perm.view(batch, per_row).long()
+    shape = (pool, page, s.Hkv, s.D)
+    k = torch.randn(shape, device=device, generator=gen).to(torch.bfloat16)
+    v = torch.randn(shape, device=device, generator=gen).to(torch.bfloat16)
+    q = torch.randn(batch, s.Hq, s.D, device=device, generator=gen).to(torch.bfloat16)
+    long = dict(dtype=torch.long, device=device)
+    return (q, k, v, table, torch.full((batch,), base, **long), torch.arange(batch, **long),
+            torch.full((batch,), ctx - 1, **long), window, s.D**-0.5)
+
+
+def attention_impls(device, use_flashinfer: bool) -> tuple[dict, list[str]]:
+    reg, notes = Registry(), []
+    impls = {"torch": contract("attention").reference,
+             "triton_v1": reg.load_variant("attention", "triton_v1").run}
+    if device.type == "cuda" and use_flashinfer:
+        fi = reg.load_variant("attention", "flashinfer_v1")
+        try:
+            fi._flashinfer()
+            impls["flashinfer_v1"] = fi
+        except RuntimeError as exc:
+            notes.append(f"flashinfer skipped: {exc}")
+    return impls, notes
+
+
+def attention_rows(s, device, args, t0: float) -> tuple[list[dict], list[str]]:
+    impls, notes = attention_impls(device, not args.no_flashinfer)
+    near = contract("attention").numerics.near_misses["fp32_probs"]
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for window in (0, s.window):
+        for ctx in s.contexts:
+            for batch in s.batches:
+                if time.monotonic() - t0 > args.budget_s:
+                    notes.append(f"budget reached: stopped before ctx {ctx} batch {batch}")
+                    return rows, notes
+                rows.append(attention_case(impls, near, ctx, batch, window, s, device, gen))
+    return rows, notes
+
+
+def attention_case(impls, near, ctx, batch, window, s, device, gen) -> dict:
+    case = decode_case(ctx, batch, window, s, device, gen)
+    ref = impls["torch"](*case)
+    near_out = near(*case)
+    mag = contract("attention").numerics.magnitude(*case)
+    row = {"layer": "window" if window else "full", "context": ctx, "batch": batch}
+    for name, impl in impls.items():
+        try:
+            if name == "flashinfer_v1":  # planned once, outside the graph
+                fn = impl.plan(tuple(case[0].shape), *case[1:], graph=device.type == "cuda")
+                call = (lambda fn=fn, q=case[0]: fn(q))
+            else:
+                call = (lambda impl=impl, a=case: impl(*a))
+            out = call()
+            row[name] = {"us": timed(call, device), **compare(out, ref, near_out, mag)}
+        except Exception as exc:  # reported in the table, never hidden
+            row[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    del case
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+# ---- qkv_gate_proj and the Q/K norms ------------------------------------------------------------
+def qkv_rows(s, device, bw: float) -> list[dict]:
+    c = contract("qkv_gate_proj")
+    mod = Registry().load_variant("qkv_gate_proj", "triton_v1")
+    rows = []
+    for t in s.tokens:
+        shape = {"T": t, "H": s.H, "Hq": s.Hq, "Hkv": s.Hkv, "D": s.D}
+        args = c.make_inputs(shape, t, device)
+        ref = c.reference(*args)
+        row = {"T": t, "floor_us": c.cost(shape).bytes / bw * 1e6,
+               "torch_us": timed(lambda a=args: c.reference(*a), device)}
+        sweep = QKV_SWEEP if t <= mod.GEMV_MAX_TOKENS and device.type == "cuda" else [None]
+        best = None
+        for cfg in sweep:
+            us = timed(lambda a=args, cfg=cfg: mod.run(*a, config=cfg), device)
+            if best is None or us < best[0]:
+                best = (us, cfg)
+        got = mod.run(*args, config=best[1])
+        row.update(triton_us=best[0], config=best[1],
+                   **compare(torch.cat([g.flatten() for g in got]),
+                             torch.cat([r.flatten() for r in ref]), None,
+                             torch.cat([m.flatten() for m in c.numerics.magnitude(*args)])))
+        rows.append(row)
+    return rows
+
+
+def qk_norm_rows(s, device) -> list[dict]:
+    reg, rows = Registry(), []
+    for op in ("qk_norm_rope", "qk_norm_ssmax"):
+        c = contract(op)
+        mod = reg.load_variant(op, "template_rows_v2")
+        for t in s.tokens:
+            shape = {"T": t, "Hq": s.Hq, "Hkv": s.Hkv, "D": s.D, "page": s.page, "P": s.pages}
+            args = c.make_inputs(shape, t, device)
+            fresh = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+            ref, got = c.reference(*fresh), mod.run(*args)
+            slots = args[-1]
+            v_ok = torch.equal(got[2].flatten(0, 1)[slots], ref[2].flatten(0, 1)[slots])
+            row = {"op": op, "T": t,
+                   "torch_us": timed(lambda a=args, f=c.reference: f(*a), device),
+                   "triton_us": timed(lambda a=args, f=mod.run: f(*a), device),
+                   "q": compare(got[0], ref[0]), "k_cache": compare(got[1], ref[1]),
+                   "v_cache_bitwise": v_ok}
+            rows.append(row)
+    return rows
+
+
+# ---- kernels per attention block ---------------------------------------------------------------
+def block_ops() -> OpTable:
+    reg = Registry()
+    return OpTable({"qkv_gate_proj": reg.load_variant("qkv_gate_proj", "triton_v1").run,
+                    "qk_norm_rope": reg.load_variant("qk_norm_rope", "template_rows_v2").run,
+                    "qk_norm_ssmax": reg.load_variant("qk_norm_ssmax", "template_rows_v2").run,
+                    "attention": reg.load_variant("attention", "triton_v1").run,
+                    "attn_output_gate": reg.load_variant("attn_output_gate", "triton_v1").run})
+
+
+def block_kernels(s, device) -> dict:
+    """Kernels one attention block launches at bs 1 (a full and a window layer), 4k context."""
+    from model.beam import BeamForCausalLM
+    from model.ops.qk_norm_rope import inv_freq, rope_tables
+    from model.serve.engine.kv_cache import KVLayout, PagedKVCache
+    from model.serve.paged_attention import PagedAttention, PagedBatch, PoolMeta
+
+    # What attention_block reads of the config: layer 0 sliding-window, layer 1 full.
+    cfg = SimpleNamespace(rms_norm_eps=1e-6, head_dim=s.D,
+                          window=lambda i: s.window if i == 0 else None)
+    shard = SimpleNamespace(num_attention_heads=s.Hq, num_key_value_heads=s.Hkv)
+    layout = KVLayout((1,), (0,), s.window, s.page, s.Hkv, s.D, torch.bfloat16)
+    cache = PagedKVCache(layout, 300, 300, device)
+    ctx, bf = 4096 if device.type == "cuda" else 40, dict(dtype=torch.bfloat16, device=device)
+    long = dict(dtype=torch.long, device=device)
+    pages = torch.arange(1, 1 + -(-ctx // s.page), **long)[None]
+    pool = PoolMeta(pages, torch.zeros(1, **long), torch.tensor([ctx - 1], **long))
+    batch = PagedBatch(torch.tensor([ctx - 1], **long), [(0, 1)], torch.zeros(1, **long),
+                       {"full": pool, "swa": pool}, 1)
+    n = (2 * s.Hq + 2 * s.Hkv) * s.D
+    layer = SimpleNamespace(qkv_gate_weight=torch.randn(n, s.H, **bf) * s.H**-0.5,
+                            q_norm=torch.ones(s.D, **bf), k_norm=torch.ones(s.D, **bf),
+                            gate_bias=torch.zeros(s.Hq, **bf),
+                            o_proj=torch.randn(s.H, s.Hq * s.D, **bf) * 0.03, sliding=True)
+    x = torch.randn(1, s.H, **bf)
+    cos, sin = rope_tables(batch.positions, inv_freq(s.D, 10000.0))
+    out = {}
+    for label, ops in (("reference", OpTable()), ("variants", block_ops())):
+        me = SimpleNamespace(config=cfg, ops=ops, shard=shard,
+                             attention_backend=PagedAttention(cache, lambda ops=ops: ops))
+        for i, kind in ((0, "window"), (1, "full")):
+            layer.sliding = kind == "window"
+            call = (lambda me=me, i=i: BeamForCausalLM.attention_block(
+                me, i, layer, x, batch.positions, cos, sin, batch))
+            out[f"{label} {kind}"] = count_kernels(call, device)
+    return out
+
+
+def count_kernels(call, device) -> int | None:
+    if device.type != "cuda":
+        call()
+        return None  # the CPU has no kernels to count
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA"
+               and "memcpy" not in e.name.lower())
+
+
+# ---- report -------------------------------------------------------------------------------------
+def markdown(res: dict) -> str:
+    out = ["# Attention block on " + res["env"]["device"], "",
+           "Decode attention per layer (µs, CUDA-graph replay; max ulp / mismatch vs reference):",
+           "", "| layer | context | batch | impl | µs | max ulp | mismatch | vs ref | "
+           "vs fp32_probs |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["attention"]:
+        for impl in ("torch", "triton_v1", "flashinfer_v1"):
+            if impl in r:
+                m = r[impl]
+                out.append(f"| {r['layer']} | {r['context']} | {r['batch']} | {impl} | "
+                           + (f"{m['us']:.1f} | {m['max_ulp']} | {m['mismatch']:.4f} | "
+                              f"{m['vs_ref']} | {m['vs_near']} |" if "us" in m
+                              else f"{m['error']} | | | | |"))
+    out += ["", "qkv_gate_proj (µs; floor: the weight stream at the measured copy rate):", "",
+            "| T | floor | cuBLAS | triton_v1 | max ulp | config |", "|---|---|---|---|---|---|"]
+    out += [f"| {r['T']} | {r['floor_us']:.1f} | {r['torch_us']:.1f} | {r['triton_us']:.1f} | "
+            f"{r['max_ulp']} | {r['config']} |" for r in res["qkv"]]
+    out += ["", "Q/K norm with the KV write (µs):", "",
+            "| op | T | torch | template_rows_v2 | q max ulp | k max ulp | v bitwise |",
+            "|---|---|---|---|---|---|---|"]
+    out += [f"| {r['op']} | {r['T']} | {r['torch_us']:.1f} | {r['triton_us']:.1f} | "
+            f"{r['q']['max_ulp']} | {r['k_cache']['max_ulp']} | {r['v_cache_bitwise']} |"
+            for r in res["qk_norm"]]
+    out += ["", "Kernels per attention block at bs 1: " + json.dumps(res["kernels_per_block"]),
+            "", *[f"- {n}" for n in res["notes"]]]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t0 = time.monotonic()
+    device = torch.device("cpu" if args.dry_run or not torch.cuda.is_available() else "cuda")
+    s = DRY if device.type == "cpu" else GPU
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)"
+    res = {"env": {"device": name, "torch": torch.__version__,
+                   "meaningful": device.type == "cuda"}, "notes": []}
+    bw = hbm_bytes_per_s(device)
+    res["env"]["copy_bytes_per_s"] = bw
+    res["kernels_per_block"] = block_kernels(s, device)
+    res["qkv"] = qkv_rows(s, device, bw)
+    res["qk_norm"] = qk_norm_rows(s, device)
+    res["attention"], notes = attention_rows(s, device, args, t0)
+    res["notes"] += notes + [f"elapsed {time.monotonic() - t0:.0f} s"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "attention_gpu.json").write_text(json.dumps(res, indent=2, default=str))
+    (args.out / "attention_gpu.md").write_text(markdown(res))
+    short = [f"{r['layer']:6} ctx {r['context']:>6} bs {r['batch']:>2}: " + "  ".join(
+        f"{k} {r[k]['us']:.1f}us/{r[k]['max_ulp']}ulp" if "us" in r[k] else f"{k} error"
+        for k in ("torch", "triton_v1", "flashinfer_v1") if k in r) for r in res["attention"]]
+    print("\n".join(short + [f"kernels per block: {res['kernels_per_block']}"] + res["notes"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

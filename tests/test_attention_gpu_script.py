@@ -1,0 +1,35 @@
+"""benchmarks/attention_gpu.py's CPU dry run: the code the lead runs on the GPU, on tiny shapes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_dry_run_writes_every_section(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("attention_gpu",
+                                                  REPO / "benchmarks" / "attention_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["attention_gpu"] = module
+    spec.loader.exec_module(module)
+    assert module.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "attention_gpu.json").read_text())
+    assert res["env"]["meaningful"] is False
+    assert len(res["attention"]) == 8  # 2 layer kinds x 2 contexts x 2 batches
+    for row in res["attention"]:
+        for impl in ("torch", "triton_v1"):
+            assert row[impl]["max_ulp"] == 0, row  # the interpreter keeps the reference's bits
+            assert row[impl]["vs_near"] > 0  # and the fp32_probs near miss is told apart
+    assert [r["T"] for r in res["qkv"]] == [1, 3, 17]
+    assert all(r["max_ulp"] <= 1 for r in res["qkv"])
+    assert {r["op"] for r in res["qk_norm"]} == {"qk_norm_rope", "qk_norm_ssmax"}
+    assert all(r["v_cache_bitwise"] for r in res["qk_norm"])
+    md = (tmp_path / "attention_gpu.md").read_text()
+    assert "| full | 40 | 1 | triton_v1 |" in md and "kernels per block" in capsys.readouterr().out
