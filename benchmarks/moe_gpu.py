@@ -341,9 +341,14 @@ def run_quick(bench: Bench, t: int, check: tuple, deadline: float) -> list[dict]
     for cfg in quick_configs(t, bench.dry):
         if time.monotonic() > deadline:
             return rows + [{"stage": "Q", "skipped": "time budget spent"}]
-        rows.append({"stage": "Q", "config": cfg, **bench.time(
-            lambda *a, c=cfg: bench.triton(*a, config=c), t),
-            "correct": judge(bench.triton(*check[0], config=cfg), *check)})
+        try:  # a config that cannot run here (e.g. PDL on an older driver) is reported
+            correct = judge(bench.triton(*check[0], config=cfg), *check)
+        except Exception as e:
+            rows.append({"stage": "Q", "config": cfg, "error": f"{type(e).__name__}: {e}"[:300],
+                         "correct": {"pass": False}})
+            continue
+        rows.append({"stage": "Q", "config": cfg, "correct": correct, **bench.time(
+            lambda *a, c=cfg: bench.triton(*a, config=c), t)})
     return rows
 
 
