@@ -1,6 +1,8 @@
 """moe_experts on one GPU at a TP8 rank's shapes: correctness, timing, a config sweep.
 
     python benchmarks/moe_gpu.py --out $OUT          (one H200, under 5 minutes)
+    python benchmarks/moe_gpu.py --quick --out $OUT  (one H200, ~100 s: checks, timings, and
+                                                      the best triton_v1 config per T)
     python benchmarks/moe_gpu.py --dry-run --out DIR (CPU, Triton interpreter, tiny shapes)
 
 Shapes: H=5120, E=256 experts, I=320, top-8, routed scale 2.5, T = 1, 2, 4, 8, 16, 32, 64, 2048;
@@ -15,6 +17,10 @@ random weights (N(0, 1/fan_in)) and skewed routing (expert popularity falling 15
 3. Sweep: triton_v1 kernel-A configs (gate_up + SwiGLU) at a fixed kernel B, then kernel-B
    configs (down + combine) at the best A, then the grouped path; every config is also checked
    against the reference. Compilation runs in parallel worker processes first (Triton's cache).
+--quick: 1. at every T; 2. without torch.compile, timing the reference only at T <= 8 (it
+syncs with the host); 3. replaced by whole configs per T (QUICK_SWEEP), each checked and timed,
+the default config among them; the fastest correct one per T is written as `best_configs`
+({"T=1": {...}, ...}, the registry's tuned-config form).
 Floor: bytes of the experts actually hit (distinct held ids of each call) plus x, out, ids and
 weights, over the copy bandwidth measured in this process (`measure_ceilings(refresh=True)`).
 Kernels per call: CUDA kernel launches in one profiled call.
@@ -78,6 +84,55 @@ G_SWEEP = [
      "BLOCK_H": 32, "BLOCK_I": 64, "B_WARPS": 4, "B_STAGES": 3},
 ]
 
+# --quick: whole triton_v1 configs per T. Decode kernel A wants enough equal CTAs resident at
+# once to keep HBM busy: at T = 1..4 few experts are hit, so K is split (SPLIT_K) or rows are
+# cut finer; kernel B (down + combine) optionally as a programmatic dependent launch that
+# prefetches its down rows into L2 while A drains (PDL, PREFETCH).
+_B8 = {"BLOCK_H": 8, "BLOCK_I": 64, "B_WARPS": 4, "B_STAGES": 3}
+
+
+def _dec(mma: bool, bm: int, bn: int, bk: int, stages: int, split: int, warps: int = 4,
+         **more) -> dict:
+    return {"PATH": "decode", "MMA": mma, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+            "A_WARPS": warps, "A_STAGES": stages, "SPLIT_K": split, **_B8, **more}
+
+
+_PDL = {"PDL": True}
+_PDL_PF = {"PDL": True, "PREFETCH": True}
+QUICK_SWEEP = {
+    1: [_dec(True, 16, 8, 128, 4, 2), _dec(True, 16, 8, 128, 4, 4), _dec(True, 16, 8, 256, 3, 2),
+        _dec(False, 1, 4, 512, 3, 1), _dec(False, 1, 8, 256, 4, 2),
+        _dec(True, 16, 8, 128, 4, 2, **_PDL), _dec(True, 16, 8, 128, 4, 2, **_PDL_PF),
+        _dec(False, 1, 4, 256, 4, 2, **_PDL_PF)],
+    2: [_dec(True, 16, 8, 128, 4, 2), _dec(True, 16, 8, 128, 4, 1), _dec(True, 16, 8, 256, 4, 1),
+        _dec(False, 2, 4, 256, 3, 1), _dec(False, 2, 4, 256, 4, 2),
+        _dec(True, 16, 8, 128, 4, 2, **_PDL), _dec(True, 16, 8, 128, 4, 2, **_PDL_PF),
+        _dec(True, 16, 8, 128, 4, 1, **_PDL_PF)],
+    4: [_dec(True, 16, 8, 256, 4, 1), _dec(True, 16, 8, 128, 4, 1), _dec(True, 16, 8, 128, 4, 2),
+        _dec(True, 16, 16, 128, 4, 2), _dec(False, 4, 4, 128, 3, 1),
+        _dec(True, 16, 8, 128, 4, 1, **_PDL), _dec(True, 16, 8, 128, 4, 1, **_PDL_PF),
+        {**_dec(True, 16, 8, 128, 4, 1), "BLOCK_H": 16, "B_WARPS": 8}],
+    8: [_dec(True, 16, 8, 256, 4, 1), _dec(True, 16, 8, 128, 4, 1), _dec(True, 16, 16, 128, 4, 1),
+        _dec(True, 16, 8, 128, 4, 2), _dec(True, 16, 8, 128, 4, 1, warps=2),
+        _dec(True, 16, 8, 128, 4, 1, **_PDL), _dec(True, 16, 8, 128, 4, 1, **_PDL_PF),
+        {**_dec(True, 16, 8, 128, 4, 1), "BLOCK_H": 16, "B_WARPS": 8}],
+    16: [_dec(True, 16, 8, 128, 4, 1), _dec(True, 16, 16, 128, 4, 1),
+         _dec(True, 16, 8, 128, 4, 1, **_PDL_PF)],
+    32: [_dec(True, 16, 8, 128, 4, 1), _dec(True, 32, 8, 128, 4, 1),
+         _dec(True, 16, 8, 128, 4, 1, **_PDL_PF)],
+    64: [_dec(True, 16, 8, 128, 4, 1), _dec(True, 32, 16, 128, 4, 1),
+         {"PATH": "grouped", "MMA": True, **G_SWEEP[4]}],
+    2048: [{"PATH": "grouped", "MMA": True, **g} for g in (G_SWEEP[1], G_SWEEP[3])],
+}
+QUICK_BUDGET_S = 150.0  # the sweep stops here; a full --quick run takes ~100 s
+QUICK_REF_TIMED = 8  # the reference (a host-synced expert loop) is timed up to this T
+
+
+def quick_configs(t: int, dry: bool = False) -> list[dict]:
+    """--quick candidates at T: the list of the largest listed T <= t (dry: the first two)."""
+    cands = QUICK_SWEEP[max(b for b in QUICK_SWEEP if b <= max(t, 1))]
+    return cands[:2] if dry else list(cands)
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -90,6 +145,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="T at which torch.compile(grouped_mm_v1) is timed ('' for none).")
     p.add_argument("--jobs", type=int, default=12, help="Parallel compile workers.")
     p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--quick", action="store_true",
+                   help="~100 s: correctness and timing at every T, the reference timed only at "
+                        "T <= 8, no torch.compile, a whole-config sweep per T -> best_configs.")
     p.add_argument("--also", default="",
                    help="Further moe_experts variants to check and time, e.g. cute_v1 (its JIT "
                         "compiles count against the time budget).")
@@ -174,7 +232,8 @@ class Bench:
 
         reg = Registry()
         self.dims, self.device, self.dry = dims, device, dry
-        self.triton = reg.load_variant("moe_experts", "triton_v1").run
+        self.triton_mod = reg.load_variant("moe_experts", "triton_v1")
+        self.triton = self.triton_mod.run
         self.grouped = reg.load_variant("moe_experts", "grouped_mm_v1").run
         self.others: dict = {}  # further registry variants this machine can run (cute_v1)
         self.missing: dict[str, str] = {}
@@ -276,6 +335,28 @@ def run_sweep(bench: Bench, t: int, check: tuple, deadline: float) -> list[dict]
     return rows
 
 
+def run_quick(bench: Bench, t: int, check: tuple, deadline: float) -> list[dict]:
+    """Whole configs at T, each checked against the reference and timed (stage Q)."""
+    rows: list[dict] = []
+    for cfg in quick_configs(t, bench.dry):
+        if time.monotonic() > deadline:
+            return rows + [{"stage": "Q", "skipped": "time budget spent"}]
+        try:  # a config that cannot run here (e.g. PDL on an older driver) is reported
+            correct = judge(bench.triton(*check[0], config=cfg), *check)
+        except Exception as e:
+            rows.append({"stage": "Q", "config": cfg, "error": f"{type(e).__name__}: {e}"[:300],
+                         "correct": {"pass": False}})
+            continue
+        rows.append({"stage": "Q", "config": cfg, "correct": correct, **bench.time(
+            lambda *a, c=cfg: bench.triton(*a, config=c), t)})
+    return rows
+
+
+def resolved_default(bench: Bench, t: int) -> dict:
+    """The config triton_v1 runs at T when given none (its bucket defaults)."""
+    return bench.triton_mod._config(t, t * bench.dims["k"], None, bench.device != "cpu")
+
+
 def best_of(rows: list[dict]) -> dict | None:
     ok = [r for r in rows if "us" in r and r.get("correct", {}).get("pass")]
     return min(ok, key=lambda r: r["us"]) if ok else None
@@ -290,8 +371,12 @@ def measure_t(bench: Bench, t: int, args: argparse.Namespace, deadline: float) -
     ref, mag = contract.reference(*cargs).cpu(), contract.combine_magnitude(*cargs).cpu()
     check = (cargs, ref, mag)
     variants = {"triton_v1": bench.triton, "grouped_mm_v1": bench.grouped, **bench.others}
-    row: dict = {"correct": {}, "time": {
-        "reference": bench.time(contract.reference, t, graph=False, iters=4)}}
+    row: dict = {"correct": {}, "time": {}}
+    if not args.quick or t <= QUICK_REF_TIMED:
+        row["time"]["reference"] = bench.time(contract.reference, t, graph=False, iters=4)
+    else:
+        row["time"]["reference"] = {"skipped": "--quick", "hit_bytes": sum(
+            hit_bytes(c[4], bench.dims) for c in bench.sets_for(t)) / len(bench.sets_for(t))}
     for name, fn in variants.items():
         try:
             row["correct"][name] = judge(fn(*cargs), *check)
@@ -300,8 +385,15 @@ def measure_t(bench: Bench, t: int, args: argparse.Namespace, deadline: float) -
             continue
         row["time"][name] = bench.time(fn, t)
     row["kernels"] = {name: kernels_per_call(fn, cargs) for name, fn in (
-        ("reference", contract.reference), *variants.items()) if name in row["time"]}
-    if not args.no_sweep:
+        ("reference", contract.reference), *variants.items())
+        if "us" in row["time"].get(name, {})}
+    if args.quick and not args.no_sweep:
+        row["sweep"] = run_quick(bench, t, check, deadline)
+        if "us" in row["time"].get("triton_v1", {}):  # the default competes too
+            row["sweep"].insert(0, {"stage": "default", "config": resolved_default(bench, t),
+                                    **row["time"]["triton_v1"],
+                                    "correct": row["correct"]["triton_v1"]})
+    elif not args.no_sweep:
         row["sweep"] = run_sweep(bench, t, check, deadline)
         best = best_of(row["sweep"])
         if best:
@@ -359,6 +451,9 @@ def tables(results: dict) -> tuple[str, str]:
                      f"{pct(tm.get('compile(grouped_mm_v1)', {}), bw)[0]:>8} "
                      f"{pct(tm.get('triton_v1', {}), bw)[0]:>7} {pct(best, bw)[0]:>8} "
                      f"{pct(best, bw)[2]:>7} {row['kernels'].get('triton_v1', '-')!s:>8}")
+    if results.get("best_configs"):
+        lines += ["", "## best triton_v1 config per T", "", "```json",
+                  json.dumps(results["best_configs"], indent=1), "```"]
     for t, row in results["tokens"].items():
         if row.get("sweep"):
             lines += ["", f"## sweep T={t}", "", "| stage | us | correct | config |",
@@ -390,18 +485,22 @@ def main(argv: list[str] | None = None) -> int:
                   tuple(x for x in args.also.split(",") if x))
     results["variants_not_run"] = bench.missing
     if not args.dry_run and not args.no_sweep:
-        jobs = [(t, cfg, dims) for t in tokens for stage in sweep_configs(t, dims["k"]).values()
-                for cfg in stage] + [(t, None, dims) for t in tokens]
+        plan = {t: quick_configs(t) if args.quick else [
+            c for stage in sweep_configs(t, dims["k"]).values() for c in stage] for t in tokens}
+        jobs = [(t, cfg, dims) for t in tokens for cfg in plan[t]] + [
+            (t, None, dims) for t in tokens]
         results["compile_errors"] = precompile(jobs, args.jobs)
     results["precompile_s"] = time.monotonic() - start
     # The sweep stops early enough to leave room for the torch.compile baselines.
     compile_t = [int(x) for x in args.compile_tokens.split(",") if x.strip() and
-                 int(x) in tokens and not args.dry_run]
-    deadline = start + args.budget_s
+                 int(x) in tokens and not args.dry_run and not args.quick]
+    deadline = start + (min(args.budget_s, QUICK_BUDGET_S) if args.quick else args.budget_s)
     for t in tokens:
         results["tokens"][t] = measure_t(bench, t, args,
                                          deadline - COMPILE_S * (len(compile_t) + 0.5))
     add_compile(bench, results, compile_t, deadline)
+    results["best_configs"] = {f"T={t}": best["config"] for t, row in results["tokens"].items()
+                               if (best := best_of(row.get("sweep", [])))}
     results["elapsed_s"] = time.monotonic() - start
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))

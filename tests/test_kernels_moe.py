@@ -67,6 +67,11 @@ TRITON_CASES = [
     (64, 32, 16, 16, 8, "skewed", {"PATH": "decode"}),
     (64, 32, 16, 16, 8, "skewed", {"PATH": "grouped", "BLOCK_M": 32}),
     (5, 64, 16, 32, 6, "spread", {"PATH": "decode"}),  # k not a power of two
+    # split-K: K = H in ranges, FP32 partials added by the last split (uneven: a short last range)
+    (1, 96, 8, 48, 8, "spread", {"PATH": "decode", "SPLIT_K": 2, "BLOCK_K": 32, "BLOCK_N": 8}),
+    (3, 80, 16, 32, 8, "dup", {"PATH": "decode", "SPLIT_K": 4, "BLOCK_K": 16, "BLOCK_N": 8}),
+    (4, 64, 16, 32, 8, "skewed", {"PATH": "decode", "MMA": False, "BLOCK_M": 2, "BLOCK_N": 4,
+                                  "SPLIT_K": 8, "BLOCK_K": 16}),
 ]
 
 
@@ -90,6 +95,18 @@ def test_expert_offset_slots_held_elsewhere_give_zero(variants, path, offset) ->
         check(variants[name].run(*args, config=cfg), args)
     if offset == 100:  # nothing held: exactly zero
         assert not variants["triton_v1"].run(*args, config={"PATH": path}).any()
+
+
+def test_split_k_is_deterministic_and_leaves_its_counters_clean(variants) -> None:
+    # A hot expert's pairs span several row blocks (BLOCK_M = 2), each its own CTA, each split.
+    mod = variants["triton_v1"]
+    args = inputs(6, 64, 8, 32, 8, 5, "dup")
+    cfg = {"PATH": "decode", "MMA": False, "BLOCK_M": 2, "BLOCK_N": 8, "BLOCK_K": 16,
+           "SPLIT_K": 4}
+    out = mod.run(*args, config=cfg)
+    check(out, args)
+    assert torch.equal(out, mod.run(*args, config=cfg))
+    assert all(not buf.any() for buf in mod._COUNTERS.values())
 
 
 def test_more_rows_than_a_row_block_and_the_grouped_fallback(variants) -> None:
@@ -214,20 +231,26 @@ _COMMON = {"E": _I, "offset": _I, "H": _I, "N_INTER": _I, "P": _I, "stride_x": _
            "stride_we": _I, "stride_wn": _I, "stride_wh": _I, "stride_act": _I, "stride_out": _I,
            "stride_d": _I, "scale": "fp32", "x_ptr": _B, "w_ptr": _B, "act_ptr": _B, "out_ptr": _B,
            "d_ptr": _B, "ids_ptr": _L, "weights_ptr": _F, "order_ptr": "*i32",
-           "tile_end_ptr": "*i32", "counts_ptr": "*i32", "starts_ptr": "*i32"}
+           "tile_end_ptr": "*i32", "counts_ptr": "*i32", "starts_ptr": "*i32", "ws_ptr": _F,
+           "cnt_ptr": "*i32", "K_SPLIT": _I}
 
 
-def _decode_a(mma: bool, pdl: bool) -> list:
+def _decode_a(mma: bool, pdl: bool, split: int = 1) -> list:
     return ["_moe_experts_gate_up_decode_kernel", _COMMON,
             {"K_TOP": 8, "P2": 64, "BLOCK_M": 16 if mma else 1, "BLOCK_N": 8, "BLOCK_K": 256,
-             "EVEN_K": True, "MMA": mma, "STAGES": 4, "ON_GPU": True, "PDL": pdl}, 4]
+             "EVEN_K": True, "MMA": mma, "STAGES": 4, "SPLIT_K": split, "ON_GPU": True,
+             "PDL": pdl}, 4]
+
+
+def _down_b(pdl: bool, prefetch: bool) -> list:
+    return ["_moe_experts_down_combine_kernel", _COMMON,
+            {"K_TOP": 8, "K2": 8, "BLOCK_H": 16, "BLOCK_I": 64, "EVEN_I": True, "STAGES": 3,
+             "ON_GPU": True, "PDL": pdl, "PREFETCH": prefetch, "I_LINES": 8}, 4]
 
 
 SM90_CASES = [
-    _decode_a(True, False), _decode_a(False, True),
-    ["_moe_experts_down_combine_kernel", _COMMON,
-     {"K_TOP": 8, "K2": 8, "BLOCK_H": 16, "BLOCK_I": 64, "EVEN_I": True, "STAGES": 3,
-      "ON_GPU": True, "PDL": True}, 4],
+    _decode_a(True, False), _decode_a(False, True), _decode_a(True, True, 4),
+    _decode_a(False, False, 2), _down_b(True, False), _down_b(True, True),
     ["_moe_experts_gate_up_grouped_kernel", _COMMON,
      {"K_TOP": 8, "E2": 256, "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64, "EVEN_K": True,
       "STAGES": 4, "ON_GPU": True}, 4],

@@ -55,3 +55,52 @@ def test_dry_run_checks_times_sweeps_and_writes(tmp_path, capsys):
     md = (tmp_path / "results.md").read_text()
     assert "## sweep T=3" in md and "| 3 | triton_v1 |" in md
     assert out.strip().splitlines()[0].startswith("T ") and len(out.strip().splitlines()) == 3
+
+
+def test_quick_sweep_fits_and_declares_its_values():
+    script = load_script()
+    space = Registry().load_variant("moe_experts", "triton_v1").CONFIG_SPACE
+    for t in script.TOKENS:
+        cands = script.quick_configs(t)
+        assert 1 <= len(cands) <= (8 if t <= 8 else 4), t
+        assert len({json.dumps(c, sort_keys=True) for c in cands}) == len(cands), t
+        for cfg in cands:
+            assert all(v in space[k] for k, v in cfg.items()), cfg
+            assert cfg["PATH"] == "grouped" or t * 8 <= 1024
+
+
+@pytest.mark.slow
+def test_quick_candidates_compute_the_same_function():
+    # Every --quick candidate (its tiles as given, on tiny widths) within the policy of the
+    # reference on skewed routing with a hot expert, so the sweep only picks a speed.
+    import sys
+
+    sys.path.insert(0, str(DEFAULT_ROOT.parent / "tests"))
+    from test_kernels_moe import check, inputs
+
+    script = load_script()
+    run = Registry().load_variant("moe_experts", "triton_v1").run
+    seen = set()
+    for t in (1, 2, 4, 8, 16):
+        args = inputs(t, 96, 16, 48, 8, t, "skewed")
+        for cfg in script.quick_configs(t):
+            key = json.dumps({k: v for k, v in cfg.items() if k not in ("PDL", "PREFETCH")},
+                             sort_keys=True)
+            if (t, key) in seen:
+                continue  # PDL and PREFETCH are GPU-only launch options: the same CPU program
+            seen.add((t, key))
+            check(run(*args, config=cfg), args)
+
+
+@pytest.mark.slow
+def test_quick_dry_run_writes_best_configs(tmp_path, capsys):
+    script = load_script()
+    assert script.main(["--dry-run", "--quick", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert sorted(res["best_configs"]) == ["T=1", "T=3"]
+    space = Registry().load_variant("moe_experts", "triton_v1").CONFIG_SPACE
+    for row in res["tokens"].values():
+        assert [r["stage"] for r in row["sweep"]] == ["default", "Q", "Q"]
+        assert all(r["correct"]["pass"] for r in row["sweep"])
+    for cfg in res["best_configs"].values():
+        assert set(cfg) <= set(space)

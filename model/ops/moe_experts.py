@@ -101,12 +101,19 @@ NUMERICS = Numerics(
     kind="ulp",
     # Ulps counted at max(|ref|, combine_magnitude): the slot outputs cancel, so a GEMM in
     # another K order (any library but the reference's own cuBLAS call) that flips one rounding
-    # of gu or d_k moves a near-zero output by up to hundreds of its own ulps, yet by at most one
-    # ulp of y at the terms' scale, which the x 2.5 rounding can make two ulps of the output.
-    max_ulp=2,
-    # One flipped gu rounding changes ~10% of its slot's d_k by an ulp: at T = 1 that is ~2% of
-    # the outputs per flip, and a token can have two.
-    max_mismatch_fraction=0.05,
+    # of gu or d_k moves a near-zero output by up to hundreds of its own ulps, yet by a few ulps
+    # at the terms' scale. Calibrated on the GPU, where the reference's per-expert cuBLAS GEMMs
+    # round gu and d_k differently from any other kernel (H200, a TP8 rank's shapes, skewed
+    # routing, T = 1..2048): two independent implementations (a fused Triton kernel and torch's
+    # grouped_mm) agreed with each other and differed from the reference by up to 3 ulps at the
+    # terms' scale (T = 2048) on up to 7.8% of the outputs (T = 8; 3.4-5.0% elsewhere). On the
+    # CPU the same kernels differ by at most 2 ulps on under 5%. Bounds: one ulp and ~1.5x the
+    # fraction of headroom. The near misses stay far outside: the BF16 accumulation differs in
+    # ~52% of the outputs, the folded scale in ~27%, a truncated final rounding in ~43%, and a
+    # dropped slot by tens of ulps; the harness also judges bias and requires a candidate to be
+    # strictly closer to the reference than to every near miss.
+    max_ulp=4,
+    max_mismatch_fraction=0.12,
     near_misses={
         "bf16_index_add": _bf16_index_add,
         "scale_in_weights": _scale_in_weights,

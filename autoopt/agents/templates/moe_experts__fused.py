@@ -15,23 +15,31 @@ Formula (NUMERICS.md "MoE combine", "Dense SwiGLU"), per (token t, slot j), e = 
     out = bf( f32(y) * scale )
 Rounding points gu, a, d_j, y and out are explicit round-to-nearest-even on the bit pattern (the
 Triton interpreter's BF16 cast truncates); exp is libdevice's expf on the GPU and FP64-rounded in
-the interpreter; the divide is div_rn. The GEMMs' K order differs from cuBLAS (the op's ulp policy).
+the interpreter; the divide is div_rn. The GEMMs' K order differs from cuBLAS (the op's ulp policy);
+split-K adds SPLIT_K partial sums in FP32, another K order within the same policy.
 
 Paths (config "PATH"):
-  decode  (T*k pairs <= 1024): no sort. Kernel A runs over (pair, N-tile of I): the first pair
-          of each held expert gathers every pair routed to that expert (a scan of the ids) and
-          computes their gate|up tile over K = H (one weight tile of BLOCK_N gate rows and the
-          matching up rows, cp.async-pipelined; tl.dot with rows padded to 16, or multiply-reduce
-          for a row or two: config MMA), SwiGLU in the epilogue, into act[T*k, I]; other pairs
-          exit, so each hit expert's gate_up is streamed once. Kernel B runs over (token, H-tile),
-          tokens fastest so tokens sharing an expert read its down tile from L2: one gather of all
-          k slots' down rows per I-chunk, the GEMVs (K = I), weights, combine in order, rounding,
-          scale. Two launches; with config PDL, B is a programmatic dependent launch of A.
+  decode  (T*k pairs <= 1024): no sort. Kernel A runs over (pair, N-tile of I, K-split): an
+          expert's pairs (found by a scan of the ids) are cut into row blocks of BLOCK_M, each
+          owned by the pair that opens it, which computes their gate|up tile (one weight tile of
+          BLOCK_N gate rows and the matching up rows, cp.async-pipelined 16-byte loads; tl.dot
+          with rows padded to 16, or multiply-reduce for a row or two: config MMA), SwiGLU in
+          the epilogue, into act[T*k, I]; other pairs exit, so each hit expert's gate_up is
+          streamed once (row blocks of one expert run side by side and share it through L2).
+          With SPLIT_K > 1 (T = 1..4: too few experts to fill the SMs) each CTA sums one range
+          of K into an FP32 partial; the last split of a tile adds the partials in split order
+          (deterministic) and runs the epilogue, then resets the tile's counter (a reused,
+          self-cleaning buffer: no memset per call). Kernel B runs over (token, H-tile),
+          tokens fastest so tokens sharing an expert read its down tile from L2: one gather of
+          all k slots' down rows per I-chunk, the GEMVs (K = I), weights, combine in order,
+          rounding, scale. Two launches; with config PDL, B is a programmatic dependent launch
+          of A, and with PREFETCH it pulls its down rows into L2 before waiting for A's act.
   grouped (any T): pairs sorted by expert on the device (argsort, counts, cumsum; no host sync),
           expert row tiles of BLOCK_M mapped to programs through the tile offsets; tl.dot tiles
           for gate_up+SwiGLU and for down (d rows into a scratch), then a combine kernel.
 Memory traffic: read the hit experts' weights once (3*I*H bf16 each), x and act (L2), write
-T*H bf16 (+ T*k*I bf16 act; grouped also T*k*H bf16 d).
+T*H bf16 (+ T*k*I bf16 act; split-K also SPLIT_K*T*k*2I fp32 partials, L2; grouped also T*k*H
+bf16 d).
 """
 
 from __future__ import annotations
@@ -55,6 +63,9 @@ CONFIG_SPACE = {
     "BLOCK_K": [64, 128, 256, 512, 1024],
     "A_WARPS": [2, 4, 8],
     "A_STAGES": [1, 2, 3, 4, 5],
+    # Decode kernel A: K = H cut into SPLIT_K ranges, one CTA each, so a few experts' tiles
+    # fill the SMs at T = 1..4 (FP32 partials, the last split of a tile adds them in order).
+    "SPLIT_K": [1, 2, 4, 8],
     "BLOCK_H": [4, 8, 16, 32, 64, 128],
     "BLOCK_I": [32, 64, 128],
     "B_WARPS": [2, 4, 8],
@@ -62,18 +73,23 @@ CONFIG_SPACE = {
     # Kernel B launched as a programmatic dependent of A: its CTAs start (ids, weights, pointers)
     # while A drains and wait for A's act at griddepcontrol.wait. GPU only.
     "PDL": [False, True],
+    # With PDL: kernel B prefetches its down rows into L2 before waiting for A (GPU only).
+    "PREFETCH": [False, True],
 }
 # The template agent tunes every key per token bucket; unset keys follow the token bucket
 # (BUCKET_DEFAULTS: the largest bucket <= T); the CPU (interpreter) takes coarse tiles, since
 # there every program is a Python loop.
 DEFAULT_CONFIG: dict = {}
 BUCKET_DEFAULTS = {
-    1: {"PATH": "decode", "MMA": True, "BLOCK_M": 16, "BLOCK_N": 8, "BLOCK_K": 256,
-        "A_WARPS": 4, "A_STAGES": 4, "BLOCK_H": 8, "BLOCK_I": 64, "B_WARPS": 4, "B_STAGES": 3,
-        "PDL": False},
+    1: {"PATH": "decode", "MMA": True, "BLOCK_M": 16, "BLOCK_N": 8, "BLOCK_K": 128,
+        "A_WARPS": 4, "A_STAGES": 4, "SPLIT_K": 2, "BLOCK_H": 8, "BLOCK_I": 64, "B_WARPS": 4,
+        "B_STAGES": 3, "PDL": False, "PREFETCH": False},
+    4: {"PATH": "decode", "MMA": True, "BLOCK_M": 16, "BLOCK_N": 8, "BLOCK_K": 256,
+        "A_WARPS": 4, "A_STAGES": 4, "SPLIT_K": 1, "BLOCK_H": 8, "BLOCK_I": 64, "B_WARPS": 4,
+        "B_STAGES": 3, "PDL": False, "PREFETCH": False},
     128: {"PATH": "grouped", "MMA": True, "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64,
-          "A_WARPS": 4, "A_STAGES": 4, "BLOCK_H": 64, "BLOCK_I": 64, "B_WARPS": 4,
-          "B_STAGES": 3, "PDL": False},
+          "A_WARPS": 4, "A_STAGES": 4, "SPLIT_K": 1, "BLOCK_H": 64, "BLOCK_I": 64, "B_WARPS": 4,
+          "B_STAGES": 3, "PDL": False, "PREFETCH": False},
 }
 CPU_TILES = {"BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_H": 128}
 DECODE_MAX_PAIRS = 1024  # the decode path scans all T*k ids per program
@@ -162,13 +178,13 @@ def _store_scaled(out_ptr, y, scale, hmask, ON_GPU: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_swiglu_tile(x_ptr, w_ptr, act_ptr, pairs, pmask, n0, H, N_INTER, stride_x, stride_wn,
-                         stride_act, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                         MMA: tl.constexpr, STAGES: tl.constexpr, ON_GPU: tl.constexpr):
-    # act[pairs, n0:n0+BLOCK_N] = swiglu(gate, up) of one expert (w_ptr at its gate_up[e]).
-    # One weight tile of 2*BLOCK_N rows: gate rows n0.. then the matching up rows I+n0.., so a
-    # single dot (N = 2*BLOCK_N >= 16) serves both halves.
+def _gate_up_acc(x_ptr, w_ptr, pairs, pmask, n0, k_lo, k_hi, H, N_INTER, stride_x, stride_wn,
+                 K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, MMA: tl.constexpr,
+                 STAGES: tl.constexpr, ON_GPU: tl.constexpr):
+    # FP32 [BLOCK_M, 2*BLOCK_N] = x[pairs] @ (gate rows n0.. | up rows I+n0..)^T over K in
+    # [k_lo, k_hi) of one expert (w_ptr at its gate_up[e]): one weight tile of 2*BLOCK_N rows, so
+    # a single dot (N = 2*BLOCK_N >= 16) serves both halves.
     rk = tl.arange(0, BLOCK_K)
     r2 = tl.arange(0, 2 * BLOCK_N)
     rn = n0 + r2 % BLOCK_N
@@ -180,7 +196,7 @@ def _gate_up_swiglu_tile(x_ptr, w_ptr, act_ptr, pairs, pmask, n0, H, N_INTER, st
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         if EVEN_K:
             xm = pmask[:, None]
             wm = nmask[:, None]
@@ -195,6 +211,13 @@ def _gate_up_swiglu_tile(x_ptr, w_ptr, act_ptr, pairs, pmask, n0, H, N_INTER, st
             acc += _bf16_to_f32(xa)[:, None, :] * _bf16_to_f32(w)[None, :, :]
     if not MMA:
         acc = tl.sum(acc, axis=2)
+    return acc
+
+
+@triton.jit
+def _swiglu_store(acc, act_ptr, pairs, pmask, n0, N_INTER, stride_act, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, ON_GPU: tl.constexpr):
+    # act[pairs, n0:n0+BLOCK_N] = bf(silu(bf(gate)) * bf(up)) from the FP32 [gate | up] sums.
     gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
     g = _round(gate)
     silu = tl.div_rn(g, 1.0 + _exp(-g, ON_GPU))
@@ -205,32 +228,94 @@ def _gate_up_swiglu_tile(x_ptr, w_ptr, act_ptr, pairs, pmask, n0, H, N_INTER, st
 
 
 @triton.jit
+def _gate_up_swiglu_tile(x_ptr, w_ptr, act_ptr, pairs, pmask, n0, H, N_INTER, stride_x, stride_wn,
+                         stride_act, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                         MMA: tl.constexpr, STAGES: tl.constexpr, ON_GPU: tl.constexpr):
+    acc = _gate_up_acc(x_ptr, w_ptr, pairs, pmask, n0, 0, H, H, N_INTER, stride_x, stride_wn,
+                       K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, MMA, STAGES, ON_GPU)
+    _swiglu_store(acc, act_ptr, pairs, pmask, n0, N_INTER, stride_act, BLOCK_M, BLOCK_N, ON_GPU)
+
+
+@triton.jit
+def _split_k_finish(acc, ws_ptr, cnt_ptr, act_ptr, pairs, pmask, n0, split, P, N_INTER,
+                    stride_act, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, ON_GPU: tl.constexpr):
+    # Split-K: each split stores its FP32 partial [gate | up] rows into ws[split, pair, 2I]; the
+    # split that arrives last at this tile's counter adds the SPLIT_K partials in split order
+    # (((p0 + p1) + p2) + ...: the same sums whoever arrives last, so the call is deterministic),
+    # rounds and runs the SwiGLU, and resets the counter to 0 for the next call. The stores are
+    # released by the CTA barrier and the counter's acq_rel atomic (CUTLASS's semaphore pattern).
+    r2 = tl.arange(0, 2 * BLOCK_N)
+    cols = n0 + r2 % BLOCK_N + (r2 // BLOCK_N) * N_INTER
+    m2 = pmask[:, None] & ((n0 + r2 % BLOCK_N) < N_INTER)[None, :]
+    rows = pairs.to(tl.int64)[:, None] * (2 * N_INTER) + cols[None, :]
+    tl.store(ws_ptr + split.to(tl.int64) * P * (2 * N_INTER) + rows, acc, mask=m2)
+    tl.debug_barrier()
+    if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+        total = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            total += tl.load(ws_ptr + s * P * (2 * N_INTER) + rows, mask=m2, other=0.0,
+                             cache_modifier=".cg")
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+        _swiglu_store(total, act_ptr, pairs, pmask, n0, N_INTER, stride_act, BLOCK_M, BLOCK_N,
+                      ON_GPU)
+
+
+@triton.jit
 def _moe_experts_gate_up_decode_kernel(
-    x_ptr, ids_ptr, w_ptr, act_ptr, P, E, offset, H, N_INTER, stride_x, stride_we, stride_wn,
-    stride_act, K_TOP: tl.constexpr, P2: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, MMA: tl.constexpr,
-    STAGES: tl.constexpr, ON_GPU: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, ids_ptr, w_ptr, act_ptr, ws_ptr, cnt_ptr, P, E, offset, H, N_INTER, K_SPLIT, stride_x,
+    stride_we, stride_wn, stride_act, K_TOP: tl.constexpr, P2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    MMA: tl.constexpr, STAGES: tl.constexpr, SPLIT_K: tl.constexpr, ON_GPU: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     if PDL:
         gdc_launch_dependents()  # kernel B may be scheduled as A's CTAs retire
     p = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
+    split = tl.program_id(2)
     q = tl.arange(0, P2)
     local = tl.load(ids_ptr + q, mask=q < P, other=0) - offset
     held = (q < P) & (local >= 0) & (local < E)
     e = tl.sum(tl.where(q == p, local, 0))
     same = held & (local == e)
-    # Only the first pair of each held expert works; it takes every pair of that expert.
-    if tl.min(tl.where(same, q, P2)) == p:
-        rank = tl.cumsum(same.to(tl.int32), 0) - 1
+    rank = tl.cumsum(same.to(tl.int32), 0) - 1  # each pair's place among its expert's pairs
+    mine = tl.sum(tl.where(same & (q == p), rank + 1, 0)) - 1  # -1: p is not held here
+    # The pairs of an expert in row blocks of BLOCK_M, each block owned by the pair that opens
+    # it: every block of a hot expert runs in its own CTA (all CTAs of one N-tile are adjacent in
+    # launch order, so the blocks share the expert's weight tile through L2).
+    if (mine >= 0) & (mine % BLOCK_M == 0):
         count = tl.sum(same.to(tl.int32))
-        rm = tl.arange(0, BLOCK_M)
-        for m0 in range(0, count, BLOCK_M):
-            pick = same[None, :] & (rank[None, :] == (m0 + rm)[:, None])
-            pairs = tl.sum(tl.where(pick, q[None, :], 0), axis=1)
-            _gate_up_swiglu_tile(x_ptr, w_ptr + e.to(tl.int64) * stride_we, act_ptr, pairs,
-                                 m0 + rm < count, n0, H, N_INTER, stride_x, stride_wn, stride_act,
-                                 K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, MMA, STAGES, ON_GPU)
+        rm = mine + tl.arange(0, BLOCK_M)
+        pick = same[None, :] & (rank[None, :] == rm[:, None])
+        pairs = tl.sum(tl.where(pick, q[None, :], 0), axis=1)
+        pmask = rm < count
+        w_e = w_ptr + e.to(tl.int64) * stride_we
+        if SPLIT_K == 1:
+            _gate_up_swiglu_tile(x_ptr, w_e, act_ptr, pairs, pmask, n0, H, N_INTER, stride_x,
+                                 stride_wn, stride_act, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                                 MMA, STAGES, ON_GPU)
+        else:
+            k_lo = split * K_SPLIT
+            acc = _gate_up_acc(x_ptr, w_e, pairs, pmask, n0, k_lo, tl.minimum(k_lo + K_SPLIT, H),
+                               H, N_INTER, stride_x, stride_wn, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K,
+                               EVEN_K, MMA, STAGES, ON_GPU)
+            cnt = cnt_ptr + p * tl.num_programs(1) + tl.program_id(1)
+            _split_k_finish(acc, ws_ptr, cnt, act_ptr, pairs, pmask, n0, split, P, N_INTER,
+                            stride_act, SPLIT_K, BLOCK_M, BLOCK_N, ON_GPU)
+
+
+@triton.jit
+def _prefetch_down(w_ptr, local, held, rh, H, N_INTER, stride_we, stride_wh, K2: tl.constexpr,
+                   BLOCK_H: tl.constexpr, I_LINES: tl.constexpr):
+    # One L2 prefetch per 128-byte line of this CTA's k down tiles [BLOCK_H, I] (GPU only; lines
+    # past the tile clamp to its last element, slots held elsewhere to expert 0: in bounds).
+    line = tl.minimum(tl.arange(0, I_LINES) * 64, N_INTER - 1)
+    rows = tl.where(held, local, 0).to(tl.int64)[:, None, None] * stride_we \
+        + tl.minimum(rh, H - 1).to(tl.int64)[None, :, None] * stride_wh + line[None, None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                              [w_ptr + rows], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -238,7 +323,7 @@ def _moe_experts_down_combine_kernel(
     act_ptr, w_ptr, weights_ptr, ids_ptr, out_ptr, E, offset, H, N_INTER, scale, stride_act,
     stride_we, stride_wh, stride_out, K_TOP: tl.constexpr, K2: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, EVEN_I: tl.constexpr, STAGES: tl.constexpr,
-    ON_GPU: tl.constexpr, PDL: tl.constexpr,
+    ON_GPU: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, I_LINES: tl.constexpr,
 ):
     # All k slots of one token at once: each chunk is one [K2, BLOCK_H, BLOCK_I] gather of the k
     # experts' down rows, so every slot's bytes are in flight together.
@@ -255,6 +340,9 @@ def _moe_experts_down_combine_kernel(
     a_rows = act_ptr + (t * K_TOP + js).to(tl.int64)[:, None] * stride_act + ri[None, :]
     acc = tl.zeros([K2, BLOCK_H, BLOCK_I], dtype=tl.float32)
     if PDL:
+        if PREFETCH:  # the down rows do not depend on A: pull them into L2 during A's tail
+            _prefetch_down(w_ptr, local, held, rh, H, N_INTER, stride_we, stride_wh, K2, BLOCK_H,
+                           I_LINES)
         gdc_wait()  # kernel A's act is complete and visible past this point
     for i0 in tl.range(0, N_INTER, BLOCK_I, num_stages=STAGES):
         if EVEN_I:
@@ -395,19 +483,44 @@ def moe_experts_decode(x, gate_up, down, weights, ids, scale, offset, out, cfg) 
     pdl = bool(cfg.get("PDL")) and on_gpu and gdc_wait is not None
     act = torch.empty((p, i), dtype=x.dtype, device=x.device)
     ids = ids.contiguous()
-    _moe_experts_gate_up_decode_kernel[(p, triton.cdiv(i, cfg["BLOCK_N"]))](
-        x, ids, gate_up, act, p, e, offset, h, i, x.stride(0), gate_up.stride(0),
-        gate_up.stride(1), act.stride(0), K_TOP=k, P2=max(64, _pow2(p)), BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN_K=h % cfg["BLOCK_K"] == 0,
-        MMA=bool(cfg["MMA"]), STAGES=cfg["A_STAGES"], ON_GPU=on_gpu, PDL=pdl,
+    bk, n_tiles = cfg["BLOCK_K"], triton.cdiv(i, cfg["BLOCK_N"])
+    split = max(1, min(int(cfg.get("SPLIT_K", 1)), triton.cdiv(h, bk)))
+    k_split = triton.cdiv(triton.cdiv(h, split), bk) * bk  # whole BLOCK_K steps per split
+    split = triton.cdiv(h, k_split)
+    ws = torch.empty((split, p, i2) if split > 1 else (1,), dtype=torch.float32, device=x.device)
+    cnt = split_counters(x.device, p * n_tiles)
+    _moe_experts_gate_up_decode_kernel[(p, n_tiles, split)](
+        x, ids, gate_up, act, ws, cnt, p, e, offset, h, i, k_split, x.stride(0),
+        gate_up.stride(0), gate_up.stride(1), act.stride(0), K_TOP=k, P2=max(64, _pow2(p)),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, EVEN_K=h % bk == 0,
+        MMA=bool(cfg["MMA"]), STAGES=cfg["A_STAGES"], SPLIT_K=split, ON_GPU=on_gpu, PDL=pdl,
         num_warps=cfg["A_WARPS"])
     block_i = min(cfg["BLOCK_I"], _pow2(i))
     _moe_experts_down_combine_kernel[(t, triton.cdiv(h, cfg["BLOCK_H"]))](
         act, down, weights.contiguous(), ids, out, e, offset, h, i, float(scale), act.stride(0),
         down.stride(0), down.stride(1), out.stride(0), K_TOP=k, K2=_pow2(k),
         BLOCK_H=cfg["BLOCK_H"], BLOCK_I=block_i, EVEN_I=i % block_i == 0,
-        STAGES=cfg["B_STAGES"], ON_GPU=on_gpu, PDL=pdl, num_warps=cfg["B_WARPS"],
+        STAGES=cfg["B_STAGES"], ON_GPU=on_gpu, PDL=pdl, PREFETCH=bool(cfg.get("PREFETCH")),
+        I_LINES=_pow2(triton.cdiv(i, 64)), num_warps=cfg["B_WARPS"],
         **({"launch_pdl": True} if pdl else {}))
+
+
+_COUNTERS: dict = {}
+_RETIRED: list = []
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """int32 zeros, >= n, that split-K's last CTAs reset after use: kept per device and reused,
+    so a call (and a CUDA graph replay) costs no memset. Calls on one device must not overlap in
+    time (one stream, as the decode step runs the layers). Inside a capture a new buffer comes
+    from the graph's pool, and is kept: the graph replays on it."""
+    key = (device.type, device.index)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1 << 17), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+        _RETIRED.append(buf)  # never freed: a captured graph may still point at an older one
+    return buf
 
 
 def align(ids: torch.Tensor, e: int, offset: int, block_m: int) -> tuple:
