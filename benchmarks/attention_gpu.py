@@ -18,6 +18,12 @@ measures, at Beam's TP8 rank shapes (H=5120, Hq=6, Hkv=1, D=128, pages of 16):
 Times are medians of CUDA-graph replays of 20 back-to-back calls. Writes $OUT/attention_gpu.json
 and $OUT/attention_gpu.md, then prints the short table. `--dry-run` runs the same code on the CPU
 with tiny shapes (interpreter; eager timings, not meaningful) to check it.
+
+`--quick` (about 70 s on an H200, no FlashInfer): only decode attention, contexts 1k/8k/128k x
+batch 1/8/64 on both layer kinds, torch vs triton_v1 (correctness and CUDA-graph time), then a
+sweep of triton_v1's split/block configs at batch 1 and 8 (full layer at each context, window
+layer at 8k), each config checked against the reference; the fastest correct config per bucket
+goes to `best_configs` in the JSON.
 """
 
 from __future__ import annotations
@@ -44,6 +50,22 @@ GPU = SimpleNamespace(contexts=(1024, 8192, 32768, 131072), batches=(1, 8, 32, 6
                       window=512, pages=4096)
 DRY = SimpleNamespace(contexts=(40, 70), batches=(1, 3), tokens=(1, 3, 17), H=256, Hq=6, Hkv=1,
                       D=128, page=16, window=16, pages=8)
+QUICK = SimpleNamespace(**{**vars(GPU), "contexts": (1024, 8192, 131072), "batches": (1, 8, 64)})
+DRY_QUICK = SimpleNamespace(**{**vars(DRY), "contexts": (40, 300), "batches": (1, 3)})
+# triton_v1 configs swept by --quick at batch 1 and 8 (most telling first: the budget may cut
+# the tail). SPLITS 0 is the variant's automatic split count.
+ATTN_SWEEP = [
+    {"SPLITS": 0, "BLOCK_N": 64, "MIN_BLOCKS": 2, "GROUP": 8, "num_warps": 4},
+    {"SPLITS": 0, "BLOCK_N": 64, "MIN_BLOCKS": 1, "GROUP": 8, "num_warps": 4},
+    {"SPLITS": 0, "BLOCK_N": 128, "MIN_BLOCKS": 1, "GROUP": 8, "num_warps": 8},
+    {"SPLITS": 0, "BLOCK_N": 64, "MIN_BLOCKS": 4, "GROUP": 8, "num_warps": 4},
+    {"SPLITS": 256, "BLOCK_N": 64, "MIN_BLOCKS": 2, "GROUP": 16, "num_warps": 4},
+    {"SPLITS": 0, "BLOCK_N": 32, "MIN_BLOCKS": 2, "GROUP": 8, "num_warps": 4},
+    {"SPLITS": 0, "BLOCK_N": 128, "MIN_BLOCKS": 2, "GROUP": 8, "num_warps": 8},
+    {"SPLITS": 1, "BLOCK_N": 64, "MIN_BLOCKS": 1, "GROUP": 8, "num_warps": 4},
+]
+DRY_SWEEP = [{"SPLITS": 0, "BLOCK_N": 16, "MIN_BLOCKS": 1, "GROUP": 2, "num_warps": 4},
+             {"SPLITS": 1, "BLOCK_N": 32, "MIN_BLOCKS": 1, "GROUP": 8, "num_warps": 4}]
 QKV_SWEEP = [{"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": s, "num_warps": 4}
              for n in (16, 32) for k in (256, 512) for s in (1, 2, 4)]
 
@@ -52,9 +74,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="Output directory.")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: check the logic.")
-    p.add_argument("--budget-s", type=float, default=270.0,
-                   help="Stop starting new attention cases after this many seconds.")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="Stop starting new attention cases after this many seconds (default "
+                        "270; 65 with --quick, of which the cases take 55%%, the sweep the "
+                        "rest).")
     p.add_argument("--no-flashinfer", action="store_true", help="Skip FlashInfer.")
+    p.add_argument("--quick", action="store_true",
+                   help="Decode attention only (1k/8k/128k x bs 1/8/64), no FlashInfer, plus a "
+                        "triton_v1 config sweep at bs 1 and 8 (~70 s).")
     return p.parse_args(argv)
 
 
@@ -177,12 +204,64 @@ def attention_case(impls, near, ctx, batch, window, s, device, gen) -> dict:
                 call = (lambda impl=impl, a=case: impl(*a))
             out = call()
             row[name] = {"us": timed(call, device), **compare(out, ref, near_out, mag)}
+            row[name]["ok"] = within_policy(row[name])
         except Exception as exc:  # reported in the table, never hidden
             row[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
     del case
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def within_policy(m: dict) -> bool:
+    pol = contract("attention").numerics
+    return m["max_ulp"] <= pol.max_ulp and m["mismatch"] <= pol.max_mismatch_fraction
+
+
+def sweep_buckets(s) -> list[tuple[int, int]]:
+    """(window, context) buckets of the sweep: the full layer at each context, the window layer
+    (512 keys whatever the context) once."""
+    mid = s.contexts[len(s.contexts) // 2]
+    return [(0, ctx) for ctx in s.contexts] + [(s.window, mid)]
+
+
+def config_sweep(s, device, configs: list[dict], deadline: float) -> tuple[list[dict], dict]:
+    """triton_v1 under each config at batch 1 and 8 in each bucket: time and numerics against
+    the reference; the fastest within the op's policy per bucket. Config-major, so a budget cut
+    leaves the first configs measured everywhere."""
+    run = Registry().load_variant("attention", "triton_v1").run
+    c = contract("attention")
+    gen = torch.Generator(device=device).manual_seed(1)
+    cases = {}
+    for window, ctx in sweep_buckets(s):
+        for batch in (1, 8):
+            case = decode_case(ctx, batch, window, s, device, gen)
+            cases[("window" if window else "full", ctx, batch)] = (
+                case, c.reference(*case), c.numerics.magnitude(*case))
+    rows = []
+    for cfg in configs:
+        for (layer, ctx, batch), (case, ref, mag) in cases.items():
+            if time.monotonic() > deadline:
+                return rows, best_configs(rows)
+            row = {"layer": layer, "context": ctx, "batch": batch, "config": cfg}
+            try:
+                call = (lambda a=case, cfg=cfg: run(*a, config=cfg))
+                row.update(compare(call(), ref, None, mag), us=timed(call, device))
+                row["ok"] = within_policy(row)
+            except Exception as exc:  # reported, never hidden
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows.append(row)
+    return rows, best_configs(rows)
+
+
+def best_configs(rows: list[dict]) -> dict:
+    best: dict[str, dict] = {}
+    for r in rows:
+        key = f"{r['layer']} ctx {r['context']} bs {r['batch']}"
+        if r.get("ok") and (key not in best or r["us"] < best[key]["us"]):
+            best[key] = {"layer": r["layer"], "context": r["context"], "batch": r["batch"],
+                         "config": r["config"], "us": r["us"], "max_ulp": r["max_ulp"]}
+    return best
 
 
 # ---- qkv_gate_proj and the Q/K norms ------------------------------------------------------------
@@ -309,8 +388,24 @@ def markdown(res: dict) -> str:
                            + (f"{m['us']:.1f} | {m['max_ulp']} | {m['mismatch']:.4f} | "
                               f"{m['vs_ref']} | {m['vs_near']} |" if "us" in m
                               else f"{m['error']} | | | | |"))
-    out += ["", "qkv_gate_proj (µs; floor: the weight stream at the measured copy rate):", "",
-            "| T | floor | cuBLAS | triton_v1 | max ulp | config |", "|---|---|---|---|---|---|"]
+    if "sweep" in res:
+        out += ["", "triton_v1 config sweep (µs; ok = within the op's policy):", "",
+                "| layer | context | batch | config | µs | max ulp | ok |",
+                "|---|---|---|---|---|---|---|"]
+        out += [f"| {r['layer']} | {r['context']} | {r['batch']} | {r['config']} | "
+                + (f"{r['us']:.1f} | {r['max_ulp']} | {r['ok']} |" if "us" in r
+                   else f"{r['error']} | | |") for r in res["sweep"]]
+        out += ["", "Best config per bucket:", "",
+                *[f"- {k}: {v['us']:.1f} µs {v['config']}" for k, v in res["best_configs"].items()]]
+    if "qkv" in res:
+        out += block_markdown(res)
+    out += ["", *[f"- {n}" for n in res["notes"]]]
+    return "\n".join(out) + "\n"
+
+
+def block_markdown(res: dict) -> list[str]:
+    out = ["", "qkv_gate_proj (µs; floor: the weight stream at the measured copy rate):", "",
+           "| T | floor | cuBLAS | triton_v1 | max ulp | config |", "|---|---|---|---|---|---|"]
     out += [f"| {r['T']} | {r['floor_us']:.1f} | {r['torch_us']:.1f} | {r['triton_us']:.1f} | "
             f"{r['max_ulp']} | {r['config']} |" for r in res["qkv"]]
     out += ["", "Q/K norm with the KV write (µs):", "",
@@ -319,33 +414,55 @@ def markdown(res: dict) -> str:
     out += [f"| {r['op']} | {r['T']} | {r['torch_us']:.1f} | {r['triton_us']:.1f} | "
             f"{r['q']['max_ulp']} | {r['k_cache']['max_ulp']} | {r['v_cache_bitwise']} |"
             for r in res["qk_norm"]]
-    out += ["", "Kernels per attention block at bs 1: " + json.dumps(res["kernels_per_block"]),
-            "", *[f"- {n}" for n in res["notes"]]]
-    return "\n".join(out) + "\n"
+    return out + ["", "Kernels per attention block at bs 1: "
+                  + json.dumps(res["kernels_per_block"])]
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    t0 = time.monotonic()
-    device = torch.device("cpu" if args.dry_run or not torch.cuda.is_available() else "cuda")
-    s = DRY if device.type == "cpu" else GPU
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)"
-    res = {"env": {"device": name, "torch": torch.__version__,
-                   "meaningful": device.type == "cuda"}, "notes": []}
+def measure(args, device, t0: float) -> dict:
+    """The whole run (--quick: decode attention and the config sweep only)."""
+    cpu = device.type == "cpu"
+    s = (DRY_QUICK if cpu else QUICK) if args.quick else (DRY if cpu else GPU)
+    name = torch.cuda.get_device_name(device) if not cpu else "cpu (dry run)"
+    res = {"env": {"device": name, "torch": torch.__version__, "meaningful": not cpu,
+                   "quick": args.quick}, "notes": []}
+    if args.budget_s is None:
+        args.budget_s = 65.0 if args.quick else 270.0
+    if args.quick:
+        args.no_flashinfer = True
+        rows_budget = SimpleNamespace(**{**vars(args), "budget_s": 0.55 * args.budget_s})
+        res["attention"], notes = attention_rows(s, device, rows_budget, t0)
+        res["sweep"], res["best_configs"] = config_sweep(
+            s, device, DRY_SWEEP if cpu else ATTN_SWEEP, t0 + args.budget_s)
+        res["notes"] += notes
+        return res
     bw = hbm_bytes_per_s(device)
     res["env"]["copy_bytes_per_s"] = bw
     res["kernels_per_block"] = block_kernels(s, device)
     res["qkv"] = qkv_rows(s, device, bw)
     res["qk_norm"] = qk_norm_rows(s, device)
     res["attention"], notes = attention_rows(s, device, args, t0)
-    res["notes"] += notes + [f"elapsed {time.monotonic() - t0:.0f} s"]
+    res["notes"] += notes
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t0 = time.monotonic()
+    device = torch.device("cpu" if args.dry_run or not torch.cuda.is_available() else "cuda")
+    res = measure(args, device, t0)
+    res["notes"].append(f"elapsed {time.monotonic() - t0:.0f} s")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "attention_gpu.json").write_text(json.dumps(res, indent=2, default=str))
     (args.out / "attention_gpu.md").write_text(markdown(res))
     short = [f"{r['layer']:6} ctx {r['context']:>6} bs {r['batch']:>2}: " + "  ".join(
         f"{k} {r[k]['us']:.1f}us/{r[k]['max_ulp']}ulp" if "us" in r[k] else f"{k} error"
         for k in ("torch", "triton_v1", "flashinfer_v1") if k in r) for r in res["attention"]]
-    print("\n".join(short + [f"kernels per block: {res['kernels_per_block']}"] + res["notes"]))
+    if "best_configs" in res:
+        short += [f"best {k}: {v['us']:.1f}us {v['config']}"
+                  for k, v in res["best_configs"].items()]
+    if "kernels_per_block" in res:
+        short.append(f"kernels per block: {res['kernels_per_block']}")
+    print("\n".join(short + res["notes"]))
     return 0
 
 

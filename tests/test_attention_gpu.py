@@ -29,8 +29,9 @@ def _ulps(got: torch.Tensor, ref: torch.Tensor, magnitude: torch.Tensor) -> torc
 
 
 @pytest.mark.parametrize("context,batch,window", [(1024, 1, 0), (8192, 8, 0), (8192, 8, 512),
-                                                  (3000, 33, 512)])
-@pytest.mark.parametrize("splits", [0, 1, 16])
+                                                  (3000, 33, 512), (131072, 1, 0),
+                                                  (8192, 1, 512)])
+@pytest.mark.parametrize("splits", [0, 1, 16, 128])
 def test_triton_attention_within_the_policy(context, batch, window, splits):
     c = contract("attention")
     run = Registry().load_variant("attention", "triton_v1").run
