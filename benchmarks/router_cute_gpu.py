@@ -2,11 +2,14 @@
 
 On the H200 (about 3 minutes; every section stops at the --budget-s deadline and says so):
     python benchmarks/router_cute_gpu.py --out $OUT
+Router only, about 60-90 s (mostly Triton compiles): `--focus` (implies --skip-moe, budget 75 s).
 Router: triton_v1 against the reference at the Beam-1.0 TP8 rank shapes (H=5120, E=256, 8 groups,
 top-4 groups, top-8) for T = 1, 2, 4, 8, 16, 32, 64, 2048: ids exact except FP32 ties (seeds
 0-2), weights judged by the op's policy, time per call under CUDA graphs over rotating weight
 sets (together > 2x L2, so the 5.2 MB weight comes from HBM), % of the floor at the bandwidth
-ceiling measured in this process, and kernels per call (torch.profiler).
+ceiling measured in this process, and kernels per call (torch.profiler). Each T then times a
+short list of candidate configs (each checked against the reference on one seed first) and
+the JSON's `best_configs` holds the fastest passing one per T, complete, as {"T=1": {...}}.
 Experts: when nvidia-cutlass-dsl imports, moe_experts cute_v1 against the reference and the
 capture-safe grouped_mm path at T = 64, 256, 2048 (E=256, H=5120, I=320, k=8): policy,
 time, kernels per call.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import sys
 import time
@@ -36,15 +40,24 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 ROUTER_TOKENS = (1, 2, 4, 8, 16, 32, 64, 2048)
-# A few decode configs next to the defaults (the defaults were chosen without a GPU): timed only,
-# every config is the same function (tests/test_kernels_router.py checks that on CPU).
+# Candidates next to each T's default (overrides of `default_config(T)`; the defaults were chosen
+# without a GPU). Each is checked on one seed before it is timed; the fastest passing one (the
+# default included) is the T's best config.
 SWEEP = {
-    1: [{"num_warps": 4, "BLOCK_E": 16}, {"num_warps": 2, "BLOCK_E": 8},
-        {"num_warps": 4, "BLOCK_E": 8, "SPLIT_K": 40, "BLOCK_K": 128},
-        {"FUSE": 0, "num_warps": 4, "BLOCK_E": 16}],
-    8: [{"num_warps": 4, "BLOCK_E": 8}, {"num_warps": 4, "BLOCK_E": 16, "BLOCK_K": 64},
-        {"num_warps": 8, "BLOCK_E": 8, "SPLIT_K": 40, "BLOCK_K": 128}, {"FUSE": 0}],
+    1: [{"BLOCK_E": 4}, {"BLOCK_E": 16}, {"SPLIT_K": 10, "BLOCK_K": 128},
+        {"BLOCK_E": 2, "BLOCK_K": 512, "SPLIT_K": 4, "num_warps": 2}, {"FUSE": 0}],
+    2: [{"BLOCK_E": 4}, {"FUSE": 0}, {"SEL_T": 1}],
+    4: [{"FUSE": 1, "SEL_T": 4}, {"FUSE": 1, "SEL_T": 1},
+        {"BLOCK_K": 256, "num_warps": 2, "SPLIT_K": 20}],
+    8: [{"FUSE": 1, "SEL_T": 2}, {"FUSE": 1, "SEL_T": 8}, {"BLOCK_E": 4, "BLOCK_K": 128,
+                                                          "num_warps": 2},
+        {"SPLIT_K": 10, "BLOCK_K": 128}, {"BLOCK_E": 16, "BLOCK_K": 32}],
+    16: [{"LIB_GEMM": 1}, {"BLOCK_E": 16, "BLOCK_K": 32, "SPLIT_K": 20}],
+    32: [{"LIB_GEMM": 1}, {"BLOCK_E": 16, "BLOCK_K": 32, "SPLIT_K": 20}],
+    64: [{"LIB_GEMM": 1}, {"BLOCK_E": 16, "BLOCK_K": 32, "SPLIT_K": 20}],
+    2048: [{"LIB_GEMM": 0}, {"LIB_GEMM": 0, "SPLIT_K": 4, "BLOCK_E": 32, "num_warps": 8}],
 }
+DRY_SWEEP = {1: [{"FUSE": 0}], 5: [{"FUSE": 1, "SEL_T": 8}]}
 MOE_TOKENS = (64, 256, 2048)
 DRY_ROUTER = {"H": 320, "E": 256, "n_group": 8, "topk_group": 4, "top_k": 8}
 DRY_MOE = {"H": 64, "E": 16, "I": 32, "k": 8}
@@ -56,7 +69,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="CPU, small widths: check the logic.")
     p.add_argument("--budget-s", type=float, default=220.0, help="Stop starting cases after this.")
     p.add_argument("--skip-moe", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument("--focus", action="store_true",
+                   help="router only (correctness, timing, per-T sweep) in about a minute")
+    args = p.parse_args(argv)
+    if args.focus:
+        args.skip_moe = True
+        if args.budget_s == p.get_default("budget_s"):
+            args.budget_s = 75.0
+    return args
 
 
 def guarded(label: dict, fn: Callable, *args) -> dict:
@@ -104,7 +124,45 @@ def judge_router(c, args: tuple, got: tuple, ref: tuple, stats, ties: list) -> l
     return [f"ids differ without an FP32 tie in {len(bad)} rows, e.g. {bad[0]}"] if bad else []
 
 
-def router_case(mod, t: int, device: str, ceilings, dry: bool) -> dict:
+def check_config(c, mod, shape: dict, cfg: dict, device: str) -> list[str]:
+    """The policy on one seed for one config (ids modulo ties, weights by the op's policy)."""
+    import torch
+
+    from autoopt.eval.numerics import OutputStats, effective_policy, judge
+
+    stats, ties = OutputStats(), []
+    with torch.no_grad():
+        args = c.make_inputs(shape, 0, device)
+        reasons = judge_router(c, args, mod.run(*args, config=cfg), c.reference(*args), stats,
+                               ties)
+    return reasons + judge(effective_policy(c.numerics, torch.float32, device), stats, "weights")
+
+
+def sweep_configs(c, mod, t: int, shape: dict, sets, device: str, candidates: list[dict],
+                  deadline: float) -> list[dict]:
+    """Each candidate: checked, then timed if it passed; stops at the deadline."""
+    from autoopt.eval.timing import time_callable
+
+    out = []
+    for over in candidates:
+        cfg = {**mod.default_config(t), **over}
+        if time.monotonic() > deadline:
+            out.append({"config": over, "us": None, "passed": None, "reasons": ["time budget"]})
+            continue
+        try:
+            reasons = check_config(c, mod, shape, cfg, device)
+            run = lambda *a, cfg=cfg: mod.run(*a, config=cfg)  # noqa: E731
+            us = None if reasons else time_callable(run, sets, device=device,
+                                                    iters=5 if device == "cpu" else 30).median_us
+        except Exception as exc:  # one bad candidate must not cost the others
+            reasons, us = [f"{type(exc).__name__}: {exc}"[:500]], None
+        out.append({"config": over, "full": cfg, "us": us, "passed": not reasons,
+                    "reasons": reasons})
+    return out
+
+
+def router_case(mod, t: int, device: str, ceilings, dry: bool, deadline: float = math.inf,
+                ) -> dict:
     import torch
 
     from autoopt.eval.numerics import OutputStats, effective_policy, judge
@@ -126,10 +184,11 @@ def router_case(mod, t: int, device: str, ceilings, dry: bool) -> dict:
     tr = time_callable(c.reference, sets, device=device, iters=5 if dry else 50)
     floor = floor_us(c, shape, ceilings) if ceilings else None
     one = c.make_inputs(shape, 7, device)
-    sweep = []
-    for cfg in [] if dry else SWEEP.get(t, []):
-        run = lambda *a, cfg=cfg: mod.run(*a, config=cfg)  # noqa: E731
-        sweep.append({"config": cfg, "us": time_callable(run, sets, device=device).median_us})
+    sweep = sweep_configs(c, mod, t, shape, sets, device, (DRY_SWEEP if dry else SWEEP).get(t, []),
+                          deadline)
+    best = min(([] if reasons else [(tv.median_us, mod.default_config(t))])
+               + [(x["us"], x["full"]) for x in sweep if x["passed"] and x["us"]],
+               key=lambda p: p[0], default=(None, None))
     return {"op": "router", "variant": "triton_v1", "T": t, "shape": shape,
             "passed": not reasons, "reasons": reasons, "tie_rows": len(ties),
             "weights": stats.to_dict(), "variant_us": tv.median_us, "variant_iqr_us": tv.iqr_us,
@@ -138,7 +197,8 @@ def router_case(mod, t: int, device: str, ceilings, dry: bool) -> dict:
             "x_floor": tv.median_us / floor if floor else None, "method": tv.method,
             "kernels": kernels_per_call(mod.run, one, device),
             "reference_kernels": kernels_per_call(c.reference, one, device),
-            "default_config": mod.default_config(t), "sweep": sweep}
+            "default_config": mod.default_config(t), "sweep": sweep,
+            "best_us": best[0], "best_config": best[1]}
 
 
 def moe_impls(device: str) -> tuple[dict[str, Callable], str | None]:
@@ -226,6 +286,10 @@ def with_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def _us(v) -> str:
+    return f"{v:.2f} us" if v is not None else "-"
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     out = [f"# router triton_v1 and moe_experts cute_v1 ({meta['gpu']})", "",
            f"Bandwidth ceiling {meta['copy_tb_s']} TB/s measured in this run; "
@@ -241,8 +305,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
                    f"| {f('reference_kernels', '{}')} | {f('tie_rows', '{}')} |")
     failed = [f"- {r['op']} {r['variant']} T={r['T']}: {'; '.join(r['reasons'])}"
               for r in rows if not r["passed"]]
-    sweeps = [f"- router T={r['T']}: default {r['variant_us']:.2f} us; "
-              + "; ".join(f"{json.dumps(x['config'])} {x['us']:.2f} us" for x in r["sweep"])
+    sweeps = [f"- router T={r['T']}: default {_us(r['variant_us'])}; "
+              + "; ".join(f"{json.dumps(x['config'])} "
+                          + (_us(x["us"]) if x["passed"] else f"FAIL {x['reasons'][:1]}")
+                          for x in r["sweep"])
+              + f"; best {_us(r.get('best_us'))}"
               for r in rows if r.get("sweep")]
     return "\n".join(out + ([""] + failed if failed else []) + ([""] + sweeps if sweeps else [])
                      ) + "\n"
@@ -268,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             skipped.append(f"router T={t}: time budget")
             continue
         rows.append(guarded({"op": "router", "variant": "triton_v1", "T": t}, router_case,
-                            router, t, device, ceilings, dry))
+                            router, t, device, ceilings, dry, deadline))
     moe_note = "experts skipped (--skip-moe)"
     if not args.skip_moe:
         impls, why = moe_impls(device)
@@ -290,8 +357,13 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"gpu": gpu, "copy_tb_s": round(ceilings.copy_bytes_s / 1e12, 2) if ceilings else None,
             "note": moe_note, "skipped": skipped, "torch": torch.__version__}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "router_cute.json").write_text(json.dumps({"meta": meta, "rows": rows},
-                                                          indent=1, default=str))
+    best = {f"T={r['T']}": r["best_config"] for r in rows
+            if r["op"] == "router" and r.get("best_config")}
+    best_us = {f"T={r['T']}": r["best_us"] for r in rows
+               if r["op"] == "router" and r.get("best_config")}
+    (args.out / "router_cute.json").write_text(json.dumps(
+        {"meta": meta, "rows": rows, "best_configs": best, "best_us": best_us},
+        indent=1, default=str))
     md = markdown(rows, meta)
     (args.out / "router_cute.md").write_text(md)
     print("\n".join(skipped))

@@ -59,21 +59,52 @@ def test_real_width_matches_reference(mod, t, seed):
 
 def _configs(mod) -> list[dict]:
     space = mod.CONFIG_SPACE
-    # A spread of the tuner's space: fused and not, split-K from none to many, dot and FMA tiles.
+    # A spread of the tuner's space: fused and not, split-K from none to many, wide and narrow
+    # FMA tiles, the library GEMM.
     picks = [{}, {"FUSE": 0}, {"FUSE": 1, "SPLIT_K": 40, "BLOCK_K": 32, "BLOCK_E": 8},
-             {"SPLIT_K": 1, "BLOCK_T": 16, "BLOCK_E": 64, "BLOCK_K": 64, "FUSE": 0},
-             {"SPLIT_K": 5, "BLOCK_T": 4, "SEL_T": 4, "FUSE": 0, "num_warps": 2}]
+             {"SPLIT_K": 1, "BLOCK_T": 16, "BLOCK_E": 32, "BLOCK_K": 64, "FUSE": 0},
+             {"SPLIT_K": 5, "BLOCK_T": 4, "SEL_T": 4, "FUSE": 0, "num_warps": 2},
+             {"FUSE": 1, "BLOCK_E": 2, "BLOCK_K": 512, "SPLIT_K": 4, "SEL_T": 8},
+             {"LIB_GEMM": 1, "SEL_T": 8, "SEL_WARPS": 4}]
     for p in picks:
         assert all(v in space[k] for k, v in p.items()), p
     return picks
 
 
-@pytest.mark.parametrize("t", [1, 6, 17])
+@pytest.mark.parametrize("t", [1, 6, pytest.param(17, marks=pytest.mark.slow)])
 def test_every_config_is_the_same_function(mod, t):
     args = C.make_inputs({"T": t, "H": 320, "E": 256}, 3)
     ref = C.reference(*args)
     for cfg in _configs(mod):
         check(args, mod.run(*args, config=cfg), ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", [{}, {"LIB_GEMM": 0, "BLOCK_T": 16, "BLOCK_E": 32,
+                                      "SPLIT_K": 2, "SEL_T": 8}])
+def test_prefill_2048_tokens(mod, cfg):
+    # T=2048 takes the prefill path: the library GEMM (default) or the FMA tiles; every row is
+    # checked (narrow H keeps the interpreter affordable; the real width is checked below).
+    args = C.make_inputs({"T": 2048, "H": 48, "E": 256}, 11)
+    check(args, mod.run(*args, config={"SEL_T": 8, "SEL_WARPS": 4, **cfg}))
+
+
+@pytest.mark.slow
+def test_prefill_2048_tokens_at_real_width(mod):
+    # The default prefill path at the real width: its logits are the reference's own GEMM, so
+    # the ids are identical (not merely equal modulo ties).
+    args = C.make_inputs({"T": 2048, **REAL}, 12)
+    w, ids = mod.run(*args, config={"SEL_T": 8, "SEL_WARPS": 4})
+    rw, rids = C.reference(*args)
+    assert torch.equal(ids, rids)
+    check(args, (w, ids), (rw, rids))
+
+
+def test_prefill_tiles_at_real_width_few_rows(mod):
+    # The FMA tiles (no tl.dot) over the full H=5120 reduction, on a few tokens.
+    args = C.make_inputs({"T": 19, **REAL}, 13)
+    check(args, mod.run(*args, config={"LIB_GEMM": 0, "BLOCK_T": 16, "BLOCK_E": 32,
+                                       "BLOCK_K": 512, "SPLIT_K": 1, "SEL_T": 8}))
 
 
 def test_fused_and_two_kernel_paths_agree_bitwise(mod):
@@ -100,9 +131,10 @@ def _tied_inputs(t: int, seed: int):
     return h, w, b, ng, tg, k
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_constructed_ties(mod, seed):
-    args = _tied_inputs(17, seed)
+@pytest.mark.parametrize("seed,t", [(0, 17), (1, 17), (2, 17), (0, 1), (1, 2), (2, 6), (0, 80)])
+def test_constructed_ties(mod, seed, t):
+    # T=1, 2 fused; 6 and 17 two kernels; 80 the library GEMM.
+    args = _tied_inputs(t, seed)
     w, ids = mod.run(*args)
     check(args, (w, ids))
     # Tied experts come out lower id first, adjacent, with equal weights.
@@ -270,8 +302,8 @@ def test_template_and_triton_v1_compile_for_sm90(tmp_path):
         assert res.returncode == 0 and res.stdout.count("ok") == 4, res.stderr[-3000:]
 
 
-# The fused decode kernel (FMA GEMV + atomic counter + selection), the tl.dot prefill GEMV and
-# the selection kernel, compiled to sm_90 PTX without a GPU.
+# The fused decode kernels (FMA GEMV + atomic counter + selection), the FMA prefill tiles (a
+# K loop) and the selection kernel, compiled to sm_90 PTX without a GPU.
 _SM90 = '''
 import importlib.util, sys
 import triton
@@ -286,10 +318,10 @@ def go(fn, types, cx):
                        target=GPUTarget("cuda", 90, 32))
     assert ".target sm_90" in k.asm["ptx"]
     print("ok")
-gemv = [P, F, F, F, F, "*i64", "*i32", N, N, N, N] + [C] * 14
-for cfg in (dict(BLOCK_T=1, BLOCK_E=16, BLOCK_K=256, K_STEPS=1, USE_DOT=False, FUSE=True),
-            dict(BLOCK_T=8, BLOCK_E=8, BLOCK_K=256, K_STEPS=1, USE_DOT=False, FUSE=True),
-            dict(BLOCK_T=64, BLOCK_E=64, BLOCK_K=32, K_STEPS=160, USE_DOT=True, FUSE=False)):
+gemv = [P, F, F, F, F, "*i64", "*i32", N, N, N, N] + [C] * 13
+for cfg in (dict(BLOCK_T=1, BLOCK_E=16, BLOCK_K=256, K_STEPS=1, FUSE=True),
+            dict(BLOCK_T=8, BLOCK_E=8, BLOCK_K=64, K_STEPS=4, FUSE=True),
+            dict(BLOCK_T=16, BLOCK_E=16, BLOCK_K=32, K_STEPS=160, FUSE=False)):
     go(m._router_gemv_kernel, gemv, {**base, **cfg, "H_BF16": True, "SEL_T": cfg["BLOCK_T"],
                                      "SPLIT": 5120 // (cfg["K_STEPS"] * cfg["BLOCK_K"])})
 go(m._router_select_kernel, [F, F, F, "*i64", N] + [C] * 7, {**base, "SEL_T": 4, "SPLIT": 20})

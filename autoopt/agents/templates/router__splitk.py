@@ -7,36 +7,41 @@ Formula (the router contract): logits = f32(h) @ W^T (FP32, no TF32); s = 1/(1+e
 of c per group; keep topk_group groups; ids = top_k of c there, descending (ties: lower expert);
 w = s[ids] / (sum + 1e-20), the sum in torch's CUDA order ((w0+w4)+(w2+w6))+((w1+w5)+(w3+w7)).
 Tuned per token bucket: how the 5.2 MB FP32 weight is split over the SMs (BLOCK_E experts x
-SPLIT_K slices of H, BLOCK_K per step, BLOCK_T tokens per program), whether the last GEMV program
-selects for every token (FUSE: one kernel, decode) or a second kernel does (SEL_T tokens per
-program), and the warps of each. The split changes the GEMV's FP32 summation order only, which
-the op's policy allows (a few FP32 ulps); the selection and renorm are the same in every config.
+SPLIT_K slices of H, BLOCK_K per step, BLOCK_T tokens per program; FP32 FMAs, never tl.dot),
+whether the last GEMV program selects for every token (FUSE: one kernel, decode) or a second
+kernel does (SEL_T tokens per program), the warps of each, and whether the logits come from the
+reference's own cuBLAS GEMM instead (LIB_GEMM: prefill, bitwise the reference's logits). The
+split changes the GEMV's FP32 summation order only, which the op's policy allows (a few FP32
+ulps); the selection (in registers) and the renorm are the same in every config.
 Memory traffic: read 4*E*H + 2*T*H + 4*E; FP32 partials 8*SPLIT_K*T*E (L2); write 12*T*top_k.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
 # Meta-parameters only: every config computes the same selection on FP32 logits whose
-# summation order depends on SPLIT_K/BLOCK_K (within the policy), never on warps.
+# summation order depends on SPLIT_K/BLOCK_K/LIB_GEMM (within the policy), never on warps.
 CONFIG_SPACE = {
-    "BLOCK_E": [8, 16, 32],
-    "BLOCK_K": [32, 64, 128, 256],
-    "SPLIT_K": [1, 5, 10, 20, 40],
-    "BLOCK_T": [1, 2, 4, 8, 16, 32, 64],
+    "BLOCK_E": [2, 4, 8, 16, 32],
+    "BLOCK_K": [32, 64, 128, 256, 512],
+    "SPLIT_K": [1, 2, 4, 5, 10, 20, 40],
+    "BLOCK_T": [1, 2, 4, 8, 16],
     "FUSE": [0, 1],
     "SEL_T": [1, 2, 4, 8],
-    "num_warps": [2, 4, 8],
-    "SEL_WARPS": [1, 2, 4],
+    "num_warps": [1, 2, 4, 8],
+    "SEL_WARPS": [1, 2, 4, 8],
+    "LIB_GEMM": [0, 1],
 }
 # Empty: each token bucket keeps `default_config(T)` until the tuner sets its keys.
 DEFAULT_CONFIG: dict = {}
 _FUSE_MAX_T = 8  # the fused tail selects every token in one program: decode only
 _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+_NEG_KEY = tl.constexpr(-(2**62))  # below every real key (their top word is >= -2**31)
 
 
 # {{common.bf16_to_f32}}: _bf16_to_f32
@@ -78,49 +83,53 @@ def _key(c, cols, E: tl.constexpr):
 
 
 @triton.jit
+def _group_keep(c3, NG: tl.constexpr, TOPK_GROUP: tl.constexpr):
+    # Group score = the top-2 of c summed; a repeated maximum counts twice (torch.topk's values):
+    # the max, then a masked max and a count of the maximum (independent of each other).
+    m1 = tl.max(c3, axis=2)
+    is1 = c3 == m1[:, :, None]
+    n1 = tl.sum(is1.to(tl.int32), axis=2)
+    m2 = tl.max(tl.where(is1, float("-inf"), c3), axis=2)
+    gs = m1 + tl.where(n1 > 1, m1, m2)
+    # Keep a group when fewer than TOPK_GROUP groups beat it (ties: the lower group wins).
+    ga = tl.arange(0, NG)
+    beats = (gs[:, None, :] > gs[:, :, None]) | \
+        ((gs[:, None, :] == gs[:, :, None]) & (ga[None, None, :] < ga[None, :, None]))
+    return tl.sum(beats.to(tl.int32), axis=2) < TOPK_GROUP
+
+
+@triton.jit
 def _route_tokens(part_ptr, bias_ptr, w_out_ptr, id_out_ptr, t0, T, SPLIT: tl.constexpr,
                   E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr,
                   TOP_K: tl.constexpr, SEL_T: tl.constexpr, ON_GPU: tl.constexpr):
+    # Everything stays in registers (no store-and-gather): rows of E for the top-k rounds, viewed
+    # as [SEL_T, NG, GS] for the group stage only.
     GS: tl.constexpr = E // NG
     toks = t0 + tl.arange(0, SEL_T)
-    cols = tl.arange(0, E)
+    cols = tl.arange(0, E)[None, :]
     m = (toks < T)[:, None]
-    offs = toks.to(tl.int64)[:, None] * E + cols[None, :]
+    offs = toks[:, None] * E + cols  # int32 (SPLIT*T*E < 2**31, checked): 16-byte loads
     logits = tl.zeros([SEL_T, E], dtype=tl.float32)
     # Partial sums added in split order; unrolled so all SPLIT loads (L2: written by other SMs)
     # are in flight together instead of one round trip per split.
     for s in tl.static_range(SPLIT):
         logits += tl.load(part_ptr + s * T * E + offs, mask=m, other=0.0, cache_modifier=".cg")
     scores = tl.div_rn(tl.full([SEL_T, E], 1.0, tl.float32), 1.0 + _exp(-logits, ON_GPU))
-    c = scores + tl.load(bias_ptr + cols)[None, :]
-    # Group score: the top-2 of c in each group, summed (the second is the max without the
-    # first's position, so a repeated maximum counts twice, as torch.topk does).
-    c3 = tl.reshape(c, [SEL_T, NG, GS])
-    gi = tl.arange(0, GS)[None, None, :]
-    m1 = tl.max(c3, axis=2)
-    i1 = tl.min(tl.where(c3 == m1[:, :, None], gi, GS), axis=2)
-    m2 = tl.max(tl.where(gi == i1[:, :, None], float("-inf"), c3), axis=2)
-    gs = m1 + m2
-    # Keep a group when fewer than TOPK_GROUP groups beat it (ties: the lower group wins).
-    ga = tl.arange(0, NG)
-    beats = (gs[:, None, :] > gs[:, :, None]) | \
-        ((gs[:, None, :] == gs[:, :, None]) & (ga[None, None, :] < ga[None, :, None]))
-    keep = tl.sum(beats.to(tl.int32), axis=2) < TOPK_GROUP
+    c = scores + tl.load(bias_ptr + cols)
+    keep = _group_keep(tl.reshape(c, [SEL_T, NG, GS]), NG, TOPK_GROUP)
     keep_e = tl.reshape(tl.broadcast_to(keep[:, :, None], [SEL_T, NG, GS]), [SEL_T, E])
-    key = tl.where(keep_e, _key(c, cols[None, :], E), -(2**62))
-    # The scores go to this CTA's own split-0 rows (read above, needed by nobody else), so the
-    # top-k loop costs one max reduction per slot and the weights are one gather at the end.
-    tl.store(part_ptr + offs, scores, mask=m)
+    key = tl.where(keep_e, _key(c, cols, E), _NEG_KEY)
     slot = tl.arange(0, TOP_K)[None, :]
     ids = tl.zeros([SEL_T, TOP_K], dtype=tl.int32)
+    w = tl.zeros([SEL_T, TOP_K], dtype=tl.float32)
     for j in tl.static_range(TOP_K):  # top_k by repeated arg-max, descending
-        best = tl.max(key, axis=1)
-        idx = E - 1 - best.to(tl.int32)  # the low word: E - 1 - expert
-        key = tl.where(cols[None, :] == idx[:, None], -(2**62), key)
+        idx = E - 1 - tl.max(key, axis=1).to(tl.int32)  # the low word: E - 1 - expert
+        hit = cols == idx[:, None]
+        # The winner's score: off the next round's critical path (only `key` feeds it).
+        sj = tl.max(tl.where(hit, scores, float("-inf")), axis=1)
+        key = tl.where(hit, _NEG_KEY, key)
         ids = tl.where(slot == j, idx[:, None], ids)
-    tl.debug_barrier()  # every thread's score stores before any thread's gather
-    w = tl.load(part_ptr + toks.to(tl.int64)[:, None] * E + ids, mask=m, other=1.0,
-                cache_modifier=".cg")
+        w = tl.where(slot == j, sj[:, None], w)
     denom = _tree_sum(w, TOP_K) + 1e-20
     w = tl.div_rn(w, tl.broadcast_to(denom[:, None], [SEL_T, TOP_K]))
     out = toks.to(tl.int64)[:, None] * TOP_K + slot
@@ -129,13 +138,22 @@ def _route_tokens(part_ptr, bias_ptr, w_out_ptr, id_out_ptr, t0, T, SPLIT: tl.co
 
 
 @triton.jit
+def _gemv_step(h_rows, w_rows, tmask, k0, H, acc, BLOCK_K: tl.constexpr, H_BF16: tl.constexpr):
+    ks = k0 + tl.arange(0, BLOCK_K)
+    km = (ks < H)[None, :]
+    x = tl.load(h_rows + ks[None, :], mask=tmask & km, other=0.0)
+    x = _bf16_to_f32(x) if H_BF16 else x.to(tl.float32)
+    wt = tl.load(w_rows + ks[None, :], mask=km, other=0.0)
+    return acc + tl.sum(x[:, None, :] * wt[None, :, :], axis=2)  # FP32 FMAs, no tl.dot
+
+
+@triton.jit
 def _router_gemv_kernel(h_ptr, wt_ptr, part_ptr, bias_ptr, w_out_ptr, id_out_ptr, count_ptr,
                         T, H, stride_h, stride_w,
                         E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr,
                         TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                         BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, SPLIT: tl.constexpr,
-                        H_BF16: tl.constexpr,
-                        USE_DOT: tl.constexpr, FUSE: tl.constexpr, SEL_T: tl.constexpr,
+                        H_BF16: tl.constexpr, FUSE: tl.constexpr, SEL_T: tl.constexpr,
                         ON_GPU: tl.constexpr):
     pe, pk, pt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     toks = pt * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -143,19 +161,16 @@ def _router_gemv_kernel(h_ptr, wt_ptr, part_ptr, bias_ptr, w_out_ptr, id_out_ptr
     k_base = pk * (K_STEPS * BLOCK_K)
     h_rows = h_ptr + toks.to(tl.int64)[:, None] * stride_h
     w_rows = wt_ptr + exps.to(tl.int64)[:, None] * stride_w
+    tmask = (toks < T)[:, None]
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    for i in range(K_STEPS):
-        ks = k_base + i * BLOCK_K + tl.arange(0, BLOCK_K)
-        km = (ks < H)[None, :]
-        x = tl.load(h_rows + ks[None, :], mask=(toks < T)[:, None] & km, other=0.0)
-        x = _bf16_to_f32(x) if H_BF16 else x.to(tl.float32)
-        wt = tl.load(w_rows + ks[None, :], mask=km, other=0.0)
-        if USE_DOT:
-            acc = tl.dot(x, tl.trans(wt), acc, input_precision="ieee")
-        else:
-            acc += tl.sum(x[:, None, :] * wt[None, :, :], axis=2)
+    if K_STEPS <= 4:  # decode: unrolled, so every weight load of the program is issued at once
+        for i in tl.static_range(K_STEPS):
+            acc = _gemv_step(h_rows, w_rows, tmask, k_base + i * BLOCK_K, H, acc, BLOCK_K, H_BF16)
+    else:
+        for i in range(K_STEPS):
+            acc = _gemv_step(h_rows, w_rows, tmask, k_base + i * BLOCK_K, H, acc, BLOCK_K, H_BF16)
     part = part_ptr + pk * T * E + toks.to(tl.int64)[:, None] * E + exps[None, :]
-    tl.store(part, acc, mask=(toks < T)[:, None])
+    tl.store(part, acc, mask=tmask)
     if FUSE:
         # Last program done selects for every token. The barrier orders all threads' partial
         # stores before the (acq_rel, gpu-scope) increment that publishes them.
@@ -194,13 +209,16 @@ def _check(h, weight, bias, n_group: int, topk_group: int, top_k: int) -> None:
                          f"{bias.dtype} (the router is never run in BF16)")
     e = weight.shape[0]
     if not (_pow2(e) and _pow2(n_group) and e % n_group == 0 and e // n_group >= 2):
-        raise ValueError(f"router triton_v1 needs a power-of-2 expert count split into a power-"
+        raise ValueError(f"router needs a power-of-2 expert count split into a power-"
                          f"of-2 number of groups of >= 2; got E={e}, n_group={n_group}")
     if not (1 <= topk_group <= n_group and _pow2(top_k) and top_k <= 32
             and top_k <= topk_group * (e // n_group)):
-        raise ValueError(f"router triton_v1 needs 1 <= topk_group <= n_group and a power-of-2 "
+        raise ValueError(f"router needs 1 <= topk_group <= n_group and a power-of-2 "
                          f"top_k <= 32 within the kept groups; got topk_group={topk_group}, "
                          f"top_k={top_k}, n_group={n_group}, E={e}")
+    if 40 * h.shape[0] * e >= 2**31:
+        raise ValueError(f"router indexes its partial logits in int32; T={h.shape[0]} "
+                         f"tokens x E={e} experts is too many: split the batch")
     if h.stride(1) != 1 or weight.stride(1) != 1 or bias.stride(0) != 1:
         raise ValueError(f"router needs unit stride along H and E; strides h {h.stride()}, weight "
                          f"{weight.stride()}, bias {bias.stride()}: pass .contiguous() tensors")
@@ -209,19 +227,24 @@ def _check(h, weight, bias, n_group: int, topk_group: int, top_k: int) -> None:
 
 
 def default_config(t: int) -> dict:
-    """Decode streams the weight over ~all SMs; prefill tiles tokens for tl.dot."""
+    """Decode: one fused kernel at T <= 2, two above (parallel one-warp selections); prefill:
+    the reference's cuBLAS GEMM, then the selection kernel."""
     if t <= 2:  # 640 one-warp programs, each one 8 KB weight load issued at once (K_STEPS = 1);
         # one warp also keeps the fused selection's reductions inside a warp (no barriers)
         return {"BLOCK_T": 1 if t <= 1 else 2, "BLOCK_E": 8, "BLOCK_K": 256, "SPLIT_K": 20,
-                "FUSE": 1, "SEL_T": 2, "num_warps": 1, "SEL_WARPS": 1}
-    if t <= _FUSE_MAX_T:  # one 8 KB weight load per program, all issued at once (K_STEPS = 1)
-        return {"BLOCK_T": triton.next_power_of_2(t), "BLOCK_E": 8, "BLOCK_K": 256,
-                "SPLIT_K": 20, "FUSE": 1, "SEL_T": 8, "num_warps": 8, "SEL_WARPS": 4}
-    if t <= 64:  # ~160 programs of 256-wide H slices; FP32 tl.dot over BLOCK_T tokens
-        return {"BLOCK_T": max(16, triton.next_power_of_2(t)), "BLOCK_E": 32, "BLOCK_K": 32,
-                "SPLIT_K": 20, "FUSE": 0, "SEL_T": 1, "num_warps": 4, "SEL_WARPS": 1}
-    return {"BLOCK_T": 64, "BLOCK_E": 32, "BLOCK_K": 32, "SPLIT_K": 2, "FUSE": 0, "SEL_T": 1,
-            "num_warps": 4, "SEL_WARPS": 1}
+                "FUSE": 1, "SEL_T": 2, "num_warps": 1, "SEL_WARPS": 1, "LIB_GEMM": 0}
+    if t <= _FUSE_MAX_T:  # 640 programs of four unrolled 2 KB steps (80 registers: one wave);
+        # one one-warp selection program per token instead of a multi-warp fused tail
+        return {"BLOCK_T": triton.next_power_of_2(t), "BLOCK_E": 8, "BLOCK_K": 64,
+                "SPLIT_K": 20, "FUSE": 0, "SEL_T": 1, "num_warps": 4, "SEL_WARPS": 1,
+                "LIB_GEMM": 0}
+    if t <= 64:  # 16-token blocks x 320 GEMV programs; one one-warp selection program per token
+        return {"BLOCK_T": 16, "BLOCK_E": 8, "BLOCK_K": 64, "SPLIT_K": 10, "FUSE": 0,
+                "SEL_T": 1, "num_warps": 4, "SEL_WARPS": 1, "LIB_GEMM": 0}
+    # Prefill: an FP32 GEMM is compute-bound; cuBLAS's (the reference's own call) beats CUDA-core
+    # FMAs in Triton, and its logits are bitwise the reference's. LIB_GEMM=0 keeps the FMA tiles.
+    return {"BLOCK_T": 16, "BLOCK_E": 16, "BLOCK_K": 32, "SPLIT_K": 1, "FUSE": 0, "SEL_T": 1,
+            "num_warps": 4, "SEL_WARPS": 1, "LIB_GEMM": 1}
 
 
 def _counter(device: torch.device) -> torch.Tensor:
@@ -229,6 +252,11 @@ def _counter(device: torch.device) -> torch.Tensor:
     if key not in _COUNTERS:  # zeroed once; the last program of every fused call re-zeroes it
         _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
     return _COUNTERS[key]
+
+
+def _lib_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # The reference's GEMM call (FP32 cuBLAS on the GPU; TF32 off unless the caller enabled it).
+    return F.linear(h.float(), weight).contiguous()
 
 
 def router_fwd(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: int,
@@ -241,28 +269,31 @@ def router_fwd(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_grou
     id_out = torch.empty((t, top_k), dtype=torch.int64, device=h.device)
     if t == 0:
         return w_out, id_out
-    block_t, block_k = int(cfg["BLOCK_T"]), int(cfg["BLOCK_K"])
-    block_e = min(int(cfg["BLOCK_E"]), e)
-    split = max(1, min(int(cfg["SPLIT_K"]), triton.cdiv(hid, block_k)))
-    k_steps = triton.cdiv(triton.cdiv(hid, split), block_k)
-    use_dot = block_t >= 16 and block_e >= 16 and block_k >= 16
-    fuse = bool(cfg["FUSE"]) and t <= 64
-    sel_t = min(int(cfg["SEL_T"]), triton.next_power_of_2(t))
-    part = torch.empty((split, t, e), dtype=torch.float32, device=h.device)
-    counter = _counter(h.device) if fuse else part
-    grid = (e // block_e, split, triton.cdiv(t, block_t))
     meta = dict(E=e, NG=n_group, TOPK_GROUP=topk_group, TOP_K=top_k, ON_GPU=h.is_cuda)
-    _router_gemv_kernel[grid](
-        h, weight, part, bias, w_out, id_out, counter, t, hid, h.stride(0), weight.stride(0),
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, K_STEPS=k_steps, SPLIT=split,
-        H_BF16=h.dtype == torch.bfloat16, USE_DOT=use_dot, FUSE=fuse, SEL_T=sel_t,
-        num_warps=int(cfg["num_warps"]), **meta,
-    )
-    if not fuse:
-        _router_select_kernel[(triton.cdiv(t, sel_t),)](
-            part, bias, w_out, id_out, t, SPLIT=split, SEL_T=sel_t, num_warps=int(cfg["SEL_WARPS"]),
-            **meta,
+    sel_t = min(int(cfg["SEL_T"]), triton.next_power_of_2(t))
+    if int(cfg.get("LIB_GEMM", 0)):
+        part, split = _lib_logits(h, weight), 1
+    else:
+        block_t, block_k = int(cfg["BLOCK_T"]), int(cfg["BLOCK_K"])
+        block_e = min(int(cfg["BLOCK_E"]), e)
+        split = max(1, min(int(cfg["SPLIT_K"]), triton.cdiv(hid, block_k)))
+        k_steps = triton.cdiv(triton.cdiv(hid, split), block_k)
+        fuse = bool(cfg["FUSE"]) and t <= 64
+        part = torch.empty((split, t, e), dtype=torch.float32, device=h.device)
+        counter = _counter(h.device) if fuse else part
+        grid = (e // block_e, split, triton.cdiv(t, block_t))
+        _router_gemv_kernel[grid](
+            h, weight, part, bias, w_out, id_out, counter, t, hid, h.stride(0), weight.stride(0),
+            BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, K_STEPS=k_steps, SPLIT=split,
+            H_BF16=h.dtype == torch.bfloat16, FUSE=fuse, SEL_T=sel_t,
+            num_warps=int(cfg["num_warps"]), **meta,
         )
+        if fuse:
+            return w_out, id_out
+    _router_select_kernel[(triton.cdiv(t, sel_t),)](
+        part, bias, w_out, id_out, t, SPLIT=split, SEL_T=sel_t, num_warps=int(cfg["SEL_WARPS"]),
+        **meta,
+    )
     return w_out, id_out
 
 
