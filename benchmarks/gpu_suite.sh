@@ -62,18 +62,21 @@ run_stage() {  # run_stage NAME SECONDS: bounded, logged, never fatal
   tail -n "${TAIL_LINES:-30}" "$R/$name.log"
 }
 
+pack() {  # at most 8 files come back, 16 MiB each: one tarball, split when larger
+  rm -f "$OUT"/results.tar.gz*
+  (cd "$R/.." && tar -czf "$OUT/results.tar.gz" --exclude=results/cache results) && \
+    if [ "$(stat -c %s "$OUT/results.tar.gz")" -gt 15000000 ]; then
+      split -b 15000000 "$OUT/results.tar.gz" "$OUT/results.tar.gz.part-" && \
+        rm "$OUT/results.tar.gz"
+    fi
+}
+
 export R SCRATCH DSL_PARTS
 for spec in "$@"; do
   name=${spec%%=*}
   secs=${spec#*=}
   [ "$secs" = "$spec" ] && secs=300
   run_stage "$name" "$secs"
+  pack  # after every stage: a call cut short still returns what finished
 done
-
-# At most 8 files come back, 16 MiB each: pack the results, splitting what is larger.
-rm -rf "$R/cache"
-(cd "$R/.." && tar -czf "$OUT/results.tar.gz" results) && \
-  if [ "$(stat -c %s "$OUT/results.tar.gz")" -gt 15000000 ]; then
-    split -b 15000000 "$OUT/results.tar.gz" "$OUT/results.tar.gz.part-" && rm "$OUT/results.tar.gz"
-  fi
 ls -la "$OUT"
