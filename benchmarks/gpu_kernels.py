@@ -54,12 +54,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--jobs", type=int, default=5, help="Verifications run in parallel.")
     p.add_argument("--agent", default="hand-written", help="Provenance for unrecorded variants.")
+    p.add_argument("--target", default=None,
+                   help="Verify at this target's widths and buckets (default: every shipped "
+                        "target of the local GPU).")
+    p.add_argument("--decode-tokens", default=",".join(map(str, DECODE_TOKENS)),
+                   help="Token counts timed at h200-tp8-decode's widths.")
+    p.add_argument("--prefill-tokens", default=",".join(map(str, PREFILL_TOKENS)),
+                   help="Token counts timed at h200-tp8-prefill's widths.")
     p.add_argument("--write-registry", action="store_true",
                    help="Also write the merged records into the registry itself.")
     return p.parse_args(argv)
 
 
-def bench_plan(op: str, device: str, dry: bool) -> list[tuple[str, dict]]:
+def bench_plan(op: str, device: str, dry: bool, decode: tuple[int, ...] = DECODE_TOKENS,
+               prefill: tuple[int, ...] = PREFILL_TOKENS) -> list[tuple[str, dict]]:
     """(target, shape) pairs to time."""
     from autoopt.eval.shapes import cpu_shapes
     from model.config import preset
@@ -70,8 +78,8 @@ def bench_plan(op: str, device: str, dry: bool) -> list[tuple[str, dict]]:
     cfg = preset("beam-1.0-501b")
     shard = cfg.shard(8)
     c = contract(op)
-    return ([("h200-tp8-decode", dict(c.shapes_for(cfg, t, shard))) for t in DECODE_TOKENS]
-            + [("h200-tp8-prefill", dict(c.shapes_for(cfg, t, shard))) for t in PREFILL_TOKENS])
+    return ([("h200-tp8-decode", dict(c.shapes_for(cfg, t, shard))) for t in decode]
+            + [("h200-tp8-prefill", dict(c.shapes_for(cfg, t, shard))) for t in prefill])
 
 
 def verify_shapes(op: str, device: str, dry: bool) -> list[dict] | None:
@@ -81,13 +89,13 @@ def verify_shapes(op: str, device: str, dry: bool) -> list[dict] | None:
 
 
 def verify_all(jobs: list[tuple[str, str, Path]], device: str, seeds: int, dry: bool,
-               workers: int) -> dict[tuple[str, str], dict]:
+               workers: int, target: str | None = None) -> dict[tuple[str, str], dict]:
     from autoopt.registry_record import verify
 
     def one(job):
         op, name, source = job
         return (op, name), verify(op, source, device, seeds, verify_shapes(op, device, dry),
-                                  timeout_s=600)
+                                  timeout_s=600, target=target)
 
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         return dict(pool.map(one, jobs))
@@ -113,6 +121,10 @@ def out_registry(reg, out: Path, op: str, name: str):
             dst_path.parent.mkdir(parents=True, exist_ok=True)
             dst_path.write_bytes(reg.safe_bytes(src_path))
     return dst
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
 
 
 def print_table(results: list[dict]) -> None:
@@ -158,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     arch = current_arch(device)
     seeds = 1 if args.dry_run else args.seeds
     start = time.monotonic()
-    reports = verify_all(jobs, device, seeds, args.dry_run, args.jobs)
+    reports = verify_all(jobs, device, seeds, args.dry_run, args.jobs, args.target)
     print(f"verified {len(jobs)} variants on {device} ({arch}) in "
           f"{time.monotonic() - start:.0f} s", flush=True)
     results = []
@@ -167,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         bench_error = None
         try:
-            rows = bench(op, source, bench_plan(op, device, args.dry_run), device, args)
+            plan = bench_plan(op, device, args.dry_run, _ints(args.decode_tokens),
+                              _ints(args.prefill_tokens))
+            rows = bench(op, source, plan, device, args)
         except (RuntimeError, ValueError) as exc:  # one op's failure must not lose the others
             rows, bench_error = [], str(exc)
         out = out_registry(reg, args.out, op, name)

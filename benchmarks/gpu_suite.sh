@@ -31,6 +31,7 @@ declare -A STAGES=(
   [eval]="python3 benchmarks/eval_harness_gpu.py --out \$R/eval \${EVAL_ARGS:-}"
   [bench-model]="python3 benchmarks/gpu_profile.py --out \$R/bench-model \${PROFILE_ARGS:-}"
   [agents]="python3 benchmarks/agents_gpu.py --out \$R/agents"
+  [accept]="python3 benchmarks/gpu_accept.py \${ACCEPT_ARGS:-} && mkdir -p \$R/registry-after && cp -r kernels/. \$R/registry-after/"
   [batch-invariant]="python3 benchmarks/batch_invariant_bench.py --out \$R/batch-invariant \${BI_ARGS:-}"
   [tp]="python3 benchmarks/tp8_run.py --gpus \$(nvidia-smi -L | wc -l) --out \$R/tp \${TP_ARGS:-}"
   [optimize]="python3 -m pip install -q --no-index --no-build-isolation --no-deps -e . && cd \$R && t0=\$(date +%s) && autoopt optimize \${OPTIMIZE_ARGS:---budget 5m}; echo \"wall \$((\$(date +%s) - t0)) s\""
@@ -72,11 +73,12 @@ pack() {  # at most 8 files come back, 16 MiB each: one tarball, split when larg
 }
 
 export R SCRATCH DSL_PARTS
-for spec in "$@"; do
-  name=${spec%%=*}
+for spec in "$@"; do  # NAME[=SECONDS], or A+B[=SECONDS] to run stages side by side
+  names=${spec%%=*}
   secs=${spec#*=}
   [ "$secs" = "$spec" ] && secs=300
-  run_stage "$name" "$secs"
+  for name in ${names//+/ }; do run_stage "$name" "$secs" & done
+  wait
   pack  # after every stage: a call cut short still returns what finished
 done
 ls -la "$OUT"

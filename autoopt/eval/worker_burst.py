@@ -83,9 +83,12 @@ def poison(state: _State, msg: dict, fds: list) -> dict:
     if b is None or b["graph"] is None:
         return {"poisoned": 0}
     n = 0
-    for outs in b["outs"]:
+    for inputs, outs in zip(b["sets"], b["outs"], strict=True):
+        # An output that is one of its inputs updated in place (a contract's INPLACE output, the
+        # KV cache) keeps what the op does not write: poisoning it would poison the input.
+        held = {t.untyped_storage().data_ptr() for t in inputs if _type(t) is torch.Tensor}
         for o in outs:
-            if _type(o) is not torch.Tensor:
+            if _type(o) is not torch.Tensor or o.untyped_storage().data_ptr() in held:
                 continue
             src = palette_tile(state, _dtype_name(o), o.numel())
             if src is not None:

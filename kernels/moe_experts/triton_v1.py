@@ -75,16 +75,31 @@ CONFIG_SPACE = {
 # Unset keys follow the token bucket (BUCKET_DEFAULTS: the largest bucket <= T); the CPU
 # (interpreter) takes coarse tiles, since there every program is a Python loop.
 DEFAULT_CONFIG: dict = {}
-BUCKET_DEFAULTS = {
+BUCKET_DEFAULTS = {  # the fastest correct config of each bucket on an H200 (GPU sweep)
     1: {"PATH": "decode", "MMA": True, "BLOCK_M": 16, "BLOCK_N": 8, "BLOCK_K": 128,
         "A_WARPS": 4, "A_STAGES": 4, "SPLIT_K": 2, "BLOCK_H": 8, "BLOCK_I": 64, "B_WARPS": 4,
         "B_STAGES": 3, "PDL": False, "PREFETCH": False},
-    4: {"PATH": "decode", "MMA": True, "BLOCK_M": 16, "BLOCK_N": 8, "BLOCK_K": 256,
-        "A_WARPS": 4, "A_STAGES": 4, "SPLIT_K": 1, "BLOCK_H": 8, "BLOCK_I": 64, "B_WARPS": 4,
+    2: {"PATH": "decode", "MMA": False, "BLOCK_M": 2, "BLOCK_N": 4, "BLOCK_K": 256,
+        "A_WARPS": 4, "A_STAGES": 3, "SPLIT_K": 1, "BLOCK_H": 8, "BLOCK_I": 64, "B_WARPS": 4,
         "B_STAGES": 3, "PDL": False, "PREFETCH": False},
-    128: {"PATH": "grouped", "MMA": True, "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64,
-          "A_WARPS": 4, "A_STAGES": 4, "SPLIT_K": 1, "BLOCK_H": 64, "BLOCK_I": 64, "B_WARPS": 4,
-          "B_STAGES": 3, "PDL": False, "PREFETCH": False},
+    4: {"PATH": "decode", "MMA": True, "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128,
+        "A_WARPS": 4, "A_STAGES": 4, "SPLIT_K": 2, "BLOCK_H": 8, "BLOCK_I": 64, "B_WARPS": 4,
+        "B_STAGES": 3, "PDL": False, "PREFETCH": False},
+    8: {"PATH": "decode", "MMA": True, "BLOCK_M": 16, "BLOCK_N": 8, "BLOCK_K": 128,
+        "A_WARPS": 2, "A_STAGES": 4, "SPLIT_K": 1, "BLOCK_H": 8, "BLOCK_I": 64, "B_WARPS": 4,
+        "B_STAGES": 3, "PDL": False, "PREFETCH": False},
+    16: {"PATH": "decode", "MMA": True, "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128,
+         "A_WARPS": 4, "A_STAGES": 4, "SPLIT_K": 1, "BLOCK_H": 8, "BLOCK_I": 64, "B_WARPS": 4,
+         "B_STAGES": 3, "PDL": False, "PREFETCH": False},
+    32: {"PATH": "decode", "MMA": True, "BLOCK_M": 16, "BLOCK_N": 8, "BLOCK_K": 256,
+         "A_WARPS": 4, "A_STAGES": 4, "SPLIT_K": 1, "BLOCK_H": 8, "BLOCK_I": 64, "B_WARPS": 4,
+         "B_STAGES": 3, "PDL": False, "PREFETCH": False},
+    64: {"PATH": "grouped", "MMA": True, "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128,
+         "A_WARPS": 4, "A_STAGES": 4, "SPLIT_K": 1, "BLOCK_H": 32, "BLOCK_I": 64, "B_WARPS": 4,
+         "B_STAGES": 3, "PDL": False, "PREFETCH": False},
+    128: {"PATH": "grouped", "MMA": True, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64,
+          "A_WARPS": 8, "A_STAGES": 3, "SPLIT_K": 1, "BLOCK_H": 128, "BLOCK_I": 64,
+          "B_WARPS": 8, "B_STAGES": 3, "PDL": False, "PREFETCH": False},
 }
 CPU_TILES = {"BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_H": 128}
 DECODE_MAX_PAIRS = 1024  # the decode path scans all T*k ids per program

@@ -53,6 +53,7 @@ CONFIG_SPACE = {"SPLITS": [0, 1, 2, 4, 8, 16, 32, 64, 128, 256], "BLOCK_N": [16,
 # needs, chunks of at least MIN_BLOCKS blocks of BLOCK_N keys. GROUP: splits summed by one
 # program at the first level of the combine.
 DEFAULT_CONFIG = {"SPLITS": 0, "BLOCK_N": 64, "MIN_BLOCKS": 2, "GROUP": 8, "num_warps": 4}
+WINDOW_CONFIG = {"BLOCK_N": 32}
 PROGRAMS_PER_SM = 2
 AUTO_MAX_SPLITS = 128
 ARCHS = None  # any: Triton on CUDA GPUs, the interpreter on the CPU
@@ -416,6 +417,8 @@ def run(q, k_cache, v_cache, page_table, kv_base, q_seq, q_pos, window: int, sca
     if page_table.shape[0] != q.shape[0]:
         return prefill_attention(q, k_cache, v_cache, page_table, kv_base, q_seq, q_pos,
                                  int(window), float(scale))
-    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    # Window layers read at most a window of keys: narrower blocks split them finer (a sweep on
+    # an H200: 11.9 us against 15.2 at batch 1, 12.5 against 16.2 at batch 8).
+    cfg = {**DEFAULT_CONFIG, **(WINDOW_CONFIG if window else {}), **(config or {})}
     return decode_attention(q, k_cache, v_cache, page_table, kv_base, q_seq, q_pos, int(window),
                             float(scale), cfg)

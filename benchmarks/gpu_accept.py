@@ -1,0 +1,99 @@
+"""After `benchmarks/gpu_kernels.py --write-registry` on a GPU: accept and lock each op's winner.
+
+    python benchmarks/gpu_accept.py --arch sm_90 [--registry DIR] [--before-lock PATH]
+        [--before OP=VARIANT ...]
+
+For every op, the candidates whose record passed verification on `--arch` for the file as it is
+now, and whose timing rows on that arch's GPU beat the reference (geometric mean of x reference
+over the rows above 1), compete with the variant the lock selects now (its rows from the same
+run): the fastest by that geometric mean is accepted (`writers.accept`, which locks it) when it
+beats the current selection. Nothing is accepted on evidence from another arch or another run's
+GPU. `--before-lock` first writes a lock file of the selection as it was (the lock's entries for
+`--arch`, plus `--before OP=VARIANT` pins of verified candidates), for `bench model`'s "before"
+kernel set. Prints one line per op saying what it did and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model.registry import Registry, writers  # noqa: E402
+
+
+def geomean_x_reference(rec, gpu: str | None) -> float | None:
+    xs = [b.row.get("x_reference") for b in rec.benchmarks
+          if b.row.get("meaningful") and (gpu is None or b.row.get("gpu") == gpu)]
+    xs = [x for x in xs if isinstance(x, (int, float)) and x > 0]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+def write_before_lock(reg: Registry, arch: str, path: Path, pins: list[str]) -> None:
+    """A lock file holding the current selection for `arch` plus `pins` (verified candidates)."""
+    entries = dict(reg.read_lock().section(arch))
+    for pin in pins:
+        op, name = pin.split("=", 1)
+        entries[op] = writers.lock_entry(reg, op, name, arch, allow_candidates=True)
+    lock = reg.read_lock(path)  # empty when absent
+    for op, entry in sorted(entries.items()):
+        lock = lock.with_entry(arch, op, entry)
+    reg._write_lock(lock, path)
+    pinned = ", ".join(f"{o}={e.variant}" for o, e in sorted(entries.items()))
+    print(f"before-lock {path}: {pinned}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", default="sm_90")
+    p.add_argument("--registry", type=Path, default=None)
+    p.add_argument("--gpu", default=None, help="Only timing rows of this GPU (default: any).")
+    p.add_argument("--before-lock", type=Path, default=None)
+    p.add_argument("--before", action="append", default=[], help="OP=VARIANT pinned in it.")
+    args = p.parse_args(argv)
+    reg = Registry(args.registry)
+    if args.before_lock:
+        write_before_lock(reg, args.arch, args.before_lock, args.before)
+    selected = reg.read_lock().section(args.arch)
+    for op in reg.ops():
+        best: tuple[float, str] | None = None
+        current = selected.get(op)
+        cur_x = None
+        for name in reg.names(op):
+            rec = reg.read_record(op, name)
+            if rec is None:
+                continue
+            variant = reg.read_variant(op, name)[0]
+            if not rec.verified(args.arch, variant.sha256):
+                continue
+            x = geomean_x_reference(rec, args.gpu)
+            if current is not None and name == current.variant:
+                cur_x = x
+                continue
+            if rec.status != "candidate" or x is None or x <= 1.0:
+                continue
+            if best is None or x > best[0]:
+                best = (x, name)
+        if best is None:
+            now = current.variant if current else "reference"
+            print(f"{op}: nothing to accept (current {now})")
+            continue
+        if cur_x is not None and best[0] <= cur_x:
+            print(f"{op}: keep {current.variant} (x{cur_x:.2f} over the reference) over "
+                  f"{best[1]} (x{best[0]:.2f})")
+            continue
+        writers.accept(reg, op, best[1], args.arch,
+                       reason=f"accepted for {args.arch} on its GPU evidence: verified there, "
+                              f"x{best[0]:.2f} over the reference (geometric mean of its timing "
+                              f"rows)" + (f", current {current.variant} x{cur_x:.2f}"
+                                          if cur_x else ""))
+        print(f"{op}: accepted and locked {best[1]} (x{best[0]:.2f}"
+              + (f"; was {current.variant} x{cur_x:.2f})" if current else "; was the reference)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
