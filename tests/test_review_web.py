@@ -126,8 +126,11 @@ def test_overview_shows_every_variant_as_registry_list_does(server, demo):
                               str(shipped_root()), "--json").stdout)
     for r in accepted:
         assert (r["variant"], "accepted", r["verified"]) in rows
-    assert re.search(r"awaiting review</strong>:\s*<a href=\"/variant/swiglu/claude_rows_v1\"",
-                     html)
+    pending = re.search(r"(\d+) candidates? awaiting review</strong>:(.*?)</p>", html, re.S)
+    links = re.findall(r'<a href="/variant/(\w+)/(\w+)"', pending.group(2))
+    assert ("swiglu", "claude_rows_v1") in links
+    candidates = [(r["op"], r["variant"]) for r in listing(reg) if r["status"] == "candidate"]
+    assert int(pending.group(1)) == len(links) and sorted(links) == sorted(candidates)
 
 
 def test_candidate_page_shows_diff_evidence_plots_notes_and_transcript(server):
