@@ -97,6 +97,36 @@ def test_bias_test_catches_truncation_but_not_noise():
     assert judge(Policy("ulp", 1, 1.0, True, ""), stats, "output 0") == []
 
 
+def test_bias_counts_rows_not_elements():
+    """An honest kernel whose row statistic differs by an FP32 ulp (rmsnorm's rsqrt) moves that
+    row's roundings one way: 19 same-sign mismatches in 2 rows are not evidence of bias; the
+    same truncation spread over every row is."""
+    g = torch.Generator().manual_seed(1)
+    ref = (torch.randn(64, 512, generator=g) * 3).to(torch.bfloat16)
+    bits = ref.view(torch.int16)
+    mag_up = bits + 1  # the next pattern: one ulp away from zero, either sign
+    honest = bits.clone()
+    honest[3, :10] = mag_up[3, :10]
+    honest[40, 100:109] = mag_up[40, 100:109]
+    stats = OutputStats()
+    stats.add(honest.view(torch.bfloat16), ref)
+    assert (stats.mismatches, stats.mismatched_rows) == (19, 2)
+    assert judge(Policy("ulp", 1, 0.001, True, ""), stats, "output 0") == []
+    spread = bits.clone()
+    spread[:, :2] = mag_up[:, :2]  # 128 mismatches, 64 rows, all one way
+    stats = OutputStats()
+    stats.add(spread.view(torch.bfloat16), ref)
+    assert stats.mismatched_rows == 64
+    reasons = judge(Policy("ulp", 1, 0.01, True, ""), stats, "output 0")
+    assert any("biased error, mean magnitude-signed error +1.000" in r for r in reasons)
+    # Rows excluded by `keep` (router ties) count neither as mismatches nor as rows.
+    keep = torch.ones_like(ref, dtype=torch.bool)
+    keep[:32] = False
+    stats = OutputStats()
+    stats.add(spread.view(torch.bfloat16), ref, keep)
+    assert (stats.mismatches, stats.mismatched_rows, stats.excluded) == (64, 32, 32 * 512)
+
+
 def test_fraction_bound_has_a_poisson_margin_per_shape():
     from autoopt.eval.numerics import allowed_mismatches
 

@@ -122,6 +122,32 @@ def test_bench_op_voids_timings_whose_outputs_are_wrong(tmp_path):
     assert any(n.startswith("timing void") for n in row.notes), row.notes
 
 
+@pytest.mark.parametrize("fails", [1, 2])
+def test_a_clock_disagreement_is_measured_again_before_the_timing_is_voided(monkeypatch, fails):
+    """A machine busy once (another job on the GPU) stretches the judge's clock once: the run is
+    timed again; a worker whose times disagree every time is void."""
+    import autoopt.eval.timing as timing
+
+    calls = []
+
+    def clock_check(claimed_s, wall_s):
+        calls.append(claimed_s)
+        if len(calls) <= fails:
+            return False, [f"timing void: the worker's times disagree (call {len(calls)})"]
+        return True, []
+
+    monkeypatch.setattr(timing, "_clock_check", clock_check)
+    (row,) = bench_op("swiglu", CORPUS / "honest_torch_swiglu.py", [{"T": 5, "I": 32}], "cpu",
+                      warmup=1, iters=3, compile=False)
+    assert len(calls) == min(fails + 1, timing.CLOCK_ATTEMPTS)
+    if fails < timing.CLOCK_ATTEMPTS:
+        assert row.valid and "clock check passed on attempt 2" in row.notes
+        assert not any(n.startswith("timing void") for n in row.notes)
+    else:
+        assert not row.valid and "clock check failed on all 2 attempts" in row.notes
+        assert any(n.startswith("timing void") for n in row.notes)
+
+
 def test_bench_op_refuses_a_screened_variant():
     with pytest.raises(ValueError, match="static screen: imports subprocess"):
         bench_op("swiglu", CORPUS / "subprocess_use.py", [{"T": 1, "I": 8}], "cpu")

@@ -206,7 +206,7 @@ def test_gpu_shapes_come_from_the_target(op):
 
     c = contract(op)
     tp2, tp8 = load_target("h200-tp2-decode"), load_target("h200-tp8-decode")
-    plan = plan_shapes(c, "cuda", [tp2, tp8], None, Budget(), Secret())
+    plan = plan_shapes(c, "cuda", [tp2, tp8], None, Budget(), Secret("5e" * 16))
     want = {tuple(sorted(s.items())) for t in (tp2, tp8) for b in t.batch_sizes
             for s in c.tests.at(t.config(), t.shard, t.tokens(b), "gpu")}
     got = {tuple(sorted(s.items())) for s in plan.buckets}
@@ -217,6 +217,17 @@ def test_gpu_shapes_come_from_the_target(op):
     assert widths(got) == widths(want)
     for s in plan.buckets + plan.drawn + plan.long:
         c.cost(s)  # the cost model accepts every planned shape
+    # Each drawn token count also runs once at the CPU shape with its free widths drawn: a
+    # kernel exact only at the target's widths shows there.
+    odd = [s for s in plan.drawn if tuple(sorted(s.items())) not in got
+           and {k: v for k, v in s.items() if k != "T"} not in
+           [{k: v for k, v in w if k != "T"} for w in got]]
+    if c.tests.free_dims:
+        assert len(odd) >= 1  # (a redrawn width may happen to equal the target's)
+        cpu = c.tests.at(None, None, 1, "cpu")[0]
+        for s in odd:
+            assert set(s) == set(cpu)
+            assert all(lo <= s[d] <= hi for d, (lo, hi) in c.tests.free_dims.items())
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -227,7 +238,7 @@ def test_every_op_declares_cpu_shapes_and_edge_cases(op):
     assert names[0] == "zero_rows" and {"tiny", "huge"} <= set(names)
     assert tests.token_range["cpu"][1] >= 24 and tests.token_range["gpu"][1] >= 4096
     varied = tests.vary(shape, lambda lo, hi: hi)
-    assert varied != shape or not tests.cpu_free_dims
+    assert varied != shape or not tests.free_dims
 
 
 def test_arg_names_and_near_misses_follow_the_contract():

@@ -51,6 +51,9 @@ def _fold(into: OutputStats, s: OutputStats) -> None:
     into.signed_sum += s.signed_sum
     into.magnitude_sum += s.magnitude_sum
     into.excluded += s.excluded
+    into.mismatched_rows += s.mismatched_rows
+    for u, c in s.exact.items():
+        into.exact[u] = into.exact.get(u, 0) + c
 
 
 def judge_near_misses(j: Judge) -> tuple[list[str], dict[str, Any]]:

@@ -10,7 +10,8 @@ worker is gone.
               TP/EP shard; on CPU the cpu-tiny buckets at the op's CPU widths), or the caller's
               shapes;
     drawn     token counts drawn log-uniformly from the op's whole token range (on CPU with the
-              op's free widths drawn too);
+              op's free widths drawn too; on a GPU each also once at the CPU shape with its free
+              widths drawn, as no kernel expects);
     long      a token count beyond the largest bucket (on CPU in the top half of the range);
     edges     the contract's edge cases (zero rows, extreme magnitudes) at a small bucket.
 `Budget` says how many of each, and how large the burst and follow-up checks are.
@@ -151,6 +152,11 @@ def plan_shapes(contract: Any, device: str, targets: list[Any], shapes: list[dic
         for cfg, shard in layouts:
             for s in tests.at(cfg, shard, t, kind):
                 plan.drawn.append(tests.vary(s, secret.rng.randint) if kind == "cpu" else s)
+        if kind == "gpu" and tests.free_dims:
+            # The target's widths are known to every kernel author: also one case at widths
+            # nobody chose, so being exact only at the expected widths shows.
+            plan.drawn += [tests.vary(s, secret.rng.randint) for s in tests.at(None, None, t,
+                                                                               "cpu")]
     if top < hi:
         first = max(top + 1, hi // 2) if kind == "cpu" else top + 1
         for _ in range(budget.long):

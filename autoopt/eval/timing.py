@@ -54,6 +54,9 @@ MAX_CALLS_PER_GRAPH = 4096
 # The worker's own times must account for at least this fraction of the judge's wall clock
 # (minus the round trip), and not exceed it, when the request ran long enough to tell.
 CLOCK_AGREEMENT = (0.8, 1.05)
+# A machine busy with other work (a second job on the GPU, compiles on the host) can stretch the
+# judge's wall clock once; a worker that under-reports does so every time. Void after this many.
+CLOCK_ATTEMPTS = 2
 MIN_CHECKED_WALL_S = 0.005
 
 
@@ -356,15 +359,21 @@ def time_in_worker(j: Any, shape: dict, secret: Any, *, warmup: int = 3,
             if a is not b and isinstance(a, torch.Tensor):
                 j.write(h, i, b)
     w.request({"cmd": "burst_poison"})
-    rtt = w.rtt_s()
-    t0 = _perf_counter()
-    run = j._checked(w.request({"cmd": "burst_run", "replays": max(iters, 1)}))
-    wall = max(_perf_counter() - t0 - rtt, 0.0)
-    if "raised" in run:
-        raise RuntimeError(f"the candidate raised while being timed: {run['raised']}")
+    for attempt in range(CLOCK_ATTEMPTS):
+        rtt = w.rtt_s()
+        t0 = _perf_counter()
+        run = j._checked(w.request({"cmd": "burst_run", "replays": max(iters, 1)}))
+        wall = max(_perf_counter() - t0 - rtt, 0.0)
+        if "raised" in run:
+            raise RuntimeError(f"the candidate raised while being timed: {run['raised']}")
+        valid, more = _clock_check(sum(run["samples_s"]), wall)
+        if valid:
+            break
+    if attempt:
+        notes.append(f"clock check passed on attempt {attempt + 1}" if valid else
+                     f"clock check failed on all {CLOCK_ATTEMPTS} attempts")
     calls = int(run["calls_per_sample"])
     samples = [x * 1e6 / calls for x in run["samples_s"]]
-    valid, more = _clock_check(sum(run["samples_s"]), wall)
     notes += more
     wrong = _timed_outputs_wrong(j, shape, handles, new, secret)
     if wrong:

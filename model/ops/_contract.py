@@ -15,8 +15,10 @@ Test shapes (what the verifier runs; see `TestShapes`). An op module declares:
     TOKEN_RANGE   optional: {"cpu": (lo, hi), "gpu": (lo, hi)}, the token counts the verifier may
                   draw (default `DEFAULT_TOKEN_RANGE`; lower the CPU bound when the reference or
                   an interpreted kernel is slow per token).
-    CPU_FREE_DIMS optional: {dim: (lo, hi)}: CPU widths the verifier may also draw, so a kernel
-                  cannot be honest at CPU_DIMS alone (GPU widths always come from the target).
+    FREE_DIMS     optional: {dim: (lo, hi)}: widths of the CPU shape the verifier may redraw, so
+                  a kernel cannot be honest at the widths it expects alone: on CPU every drawn
+                  case; on a GPU (where the buckets are the target's real widths) one extra case
+                  per drawn token count, at CPU_DIMS with these widths redrawn.
     EDGE_SCALES   optional: {case name: {argument index: power-of-two factor}}: floating inputs
                   scaled to extreme magnitudes where the reference is still finite and defined
                   (a dropped eps shows at tiny inputs, an overflowing square at huge ones).
@@ -114,7 +116,7 @@ class TestShapes:
     token_range: Mapping[str, tuple[int, int]]
     edge_scales: Mapping[str, Mapping[int, float]]
     shapes: Callable[..., list[dict[str, int]]]
-    cpu_free_dims: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    free_dims: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for kind in KINDS:
@@ -129,9 +131,9 @@ class TestShapes:
         return [dict(s) for s in self.shapes(cfg, shard, tokens, kind)]
 
     def vary(self, shape: Shape, draw: Callable[[int, int], int]) -> dict[str, int]:
-        """`shape` with each CPU_FREE_DIMS width redrawn by `draw(lo, hi)` (CPU shapes only)."""
+        """`shape` with each FREE_DIMS width redrawn by `draw(lo, hi)` (CPU_DIMS shapes only)."""
         out = dict(shape)
-        for dim, (lo, hi) in self.cpu_free_dims.items():
+        for dim, (lo, hi) in self.free_dims.items():
             if dim in out:
                 out[dim] = draw(lo, hi)
         return out
@@ -196,7 +198,7 @@ class OpContract:
                 token_range={**DEFAULT_TOKEN_RANGE, **getattr(module, "TOKEN_RANGE", {})},
                 edge_scales=dict(getattr(module, "EDGE_SCALES", {})),
                 shapes=getattr(module, "test_shapes", None) or default_test_shapes(module),
-                cpu_free_dims=dict(getattr(module, "CPU_FREE_DIMS", {})),
+                free_dims=dict(getattr(module, "FREE_DIMS", {})),
             ),
             inplace=dict(getattr(module, "INPLACE", {})),
         )

@@ -43,7 +43,7 @@ AXES = {
 
 # Test shapes (model/ops/_contract.py "Test shapes"): see `test_shapes` below.
 CPU_DIMS = {"H": 320}
-CPU_FREE_DIMS = {"H": (8, 640)}
+FREE_DIMS = {"H": (8, 640)}
 TOKEN_RANGE = {"cpu": (1, 128)}
 EDGE_SCALES = {"tiny": {0: 2.0**-40, 1: 2.0**-40}, "huge": {0: 2.0**40, 1: 2.0**40}}
 

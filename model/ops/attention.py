@@ -50,7 +50,7 @@ AXES = {
 
 # Test shapes (model/ops/_contract.py "Test shapes"): see `test_shapes` below.
 CPU_DIMS = {"Hq": 6, "Hkv": 1, "D": 128}
-CPU_FREE_DIMS = {"Hq": (1, 12)}
+FREE_DIMS = {"Hq": (1, 12)}
 TOKEN_RANGE = {"cpu": (1, 64)}
 EDGE_SCALES = {"tiny": {0: 2.0**-40}, "huge": {0: 2.0**4}}
 GPU_MIN_CONTEXT = 4096

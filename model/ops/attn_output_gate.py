@@ -15,7 +15,7 @@ SIGNATURE = "attn_output_gate(attn[T,Hq,D] bf16, gate[T,Hq,D] bf16, bias[Hq] bf1
 AXES = {"T": "tokens (varies)", "Hq": "query heads per rank (config/TP)", "D": "head_dim (config)"}
 # Test shapes (model/ops/_contract.py "Test shapes").
 CPU_DIMS = {"Hq": 6, "D": 128}
-CPU_FREE_DIMS = {"Hq": (1, 12)}
+FREE_DIMS = {"Hq": (1, 12)}
 EDGE_SCALES = {"tiny": {0: 2.0**-60}, "huge": {0: 2.0**60, 1: 2.0**3}}
 
 

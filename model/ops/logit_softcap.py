@@ -15,7 +15,7 @@ SIGNATURE = "logit_softcap(logits[T,V] bf16, cap: float) -> [T,V] fp32"
 AXES = {"T": "tokens (varies)", "V": "vocab per rank (config/TP)"}
 # Test shapes (model/ops/_contract.py "Test shapes").
 CPU_DIMS = {"V": 997}
-CPU_FREE_DIMS = {"V": (8, 2048)}
+FREE_DIMS = {"V": (8, 2048)}
 # Huge logits saturate tanh; tiny ones sit in its linear part.
 EDGE_SCALES = {"tiny": {0: 2.0**-60}, "huge": {0: 2.0**10}}
 

@@ -34,7 +34,7 @@ AXES = {
 # Test shapes (model/ops/_contract.py "Test shapes"). The reference loops over experts in
 # Python: few tokens on CPU.
 CPU_DIMS = {"H": 320, "E": 16, "I": 64, "k": 8}
-CPU_FREE_DIMS = {"H": (8, 512), "I": (8, 128)}
+FREE_DIMS = {"H": (8, 512), "I": (8, 128)}
 TOKEN_RANGE = {"cpu": (1, 24)}
 EDGE_SCALES = {"tiny": {0: 2.0**-30}, "huge": {0: 2.0**20}}
 

@@ -26,7 +26,7 @@ SIGNATURE = (
 AXES = {"T": "tokens (varies)", "H": "hidden size (config)", "add_index": "2..105 (depth)"}
 # Test shapes (model/ops/_contract.py "Test shapes").
 CPU_DIMS = {"H": 320}
-CPU_FREE_DIMS = {"H": (8, 640)}
+FREE_DIMS = {"H": (8, 640)}
 TOKEN_RANGE = {"cpu": (1, 192)}
 EDGE_SCALES = {"tiny": {0: 2.0**-40, 1: 2.0**-40}, "huge": {0: 2.0**40, 1: 2.0**40}}
 

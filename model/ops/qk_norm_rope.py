@@ -35,7 +35,7 @@ AXES = {"T": "tokens (varies)", "Hq": "query heads/rank", "Hkv": "KV heads/rank"
 INPLACE = {1: "k_cache", 2: "v_cache"}
 # Test shapes (model/ops/_contract.py "Test shapes"); pages of 4 so writes cross page edges.
 CPU_DIMS = {"Hq": 6, "Hkv": 1, "D": 128, "page": 4}
-CPU_FREE_DIMS = {"Hq": (1, 12)}  # Hkv = 1: any Hq is a whole GQA group
+FREE_DIMS = {"Hq": (1, 12)}  # Hkv = 1: any Hq is a whole GQA group
 EDGE_SCALES = {"tiny": {0: 2.0**-40, 1: 2.0**-40}, "huge": {0: 2.0**40, 1: 2.0**40}}
 
 

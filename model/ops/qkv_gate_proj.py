@@ -21,7 +21,7 @@ SIGNATURE = (
 AXES = {"T": "tokens (varies)", "H": "hidden", "Hq": "query heads/rank", "Hkv": "KV heads/rank"}
 # Test shapes (model/ops/_contract.py "Test shapes").
 CPU_DIMS = {"H": 320, "Hq": 6, "Hkv": 1, "D": 128}
-CPU_FREE_DIMS = {"H": (8, 640), "Hq": (1, 12)}
+FREE_DIMS = {"H": (8, 640), "Hq": (1, 12)}
 EDGE_SCALES = {"tiny": {0: 2.0**-40}, "huge": {0: 2.0**40}}
 
 

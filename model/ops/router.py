@@ -29,7 +29,7 @@ AXES = {"T": "tokens (varies)", "H": "hidden", "E": "experts (config)"}
 # Test shapes (model/ops/_contract.py "Test shapes").
 # The real expert layout (8 groups of 32) at a narrow hidden size.
 CPU_DIMS = {"H": 320, "E": 256, "n_group": 8, "topk_group": 4, "top_k": 8}
-CPU_FREE_DIMS = {"H": (8, 640)}
+FREE_DIMS = {"H": (8, 640)}
 # Tiny hidden states put every sigmoid at 0.5 (selection by the bias alone); huge ones
 # saturate many sigmoids to exactly 1.
 EDGE_SCALES = {"tiny": {0: 2.0**-20}, "huge": {0: 2.0**6}}

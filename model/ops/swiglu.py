@@ -16,7 +16,7 @@ SIGNATURE = "swiglu(gate[T,I] bf16, up[T,I] bf16) -> [T,I] bf16"
 AXES = {"T": "tokens (varies)", "I": "intermediate size per rank (config/TP)"}
 # Test shapes (model/ops/_contract.py "Test shapes").
 CPU_DIMS = {"I": 320}
-CPU_FREE_DIMS = {"I": (8, 1024)}
+FREE_DIMS = {"I": (8, 1024)}
 # Huge up with a saturated gate stays finite in FP32 (|silu(g)| <= 16, |up| ~ 2^60).
 EDGE_SCALES = {"tiny": {0: 2.0**-40, 1: 2.0**-40}, "huge": {0: 2.0**3, 1: 2.0**60}}
 
