@@ -200,6 +200,20 @@ def test_secret_plans_differ_per_run_and_reproduce_from_the_secret():
     assert {s["T"] for s in pa.buckets} == {1, 3, 17}  # cpu-tiny's buckets
 
 
+def test_prefill_sized_buckets_get_one_seed():
+    from autoopt.eval.session import build_steps
+    from autoopt.targets import load_target
+
+    prefill = load_target("h200-tp8-prefill")
+    budget = Budget(filler=(0, 0))
+    plan = plan_shapes(contract("swiglu"), "cuda", [prefill], None, budget, Secret("3c" * 16))
+    specs, _ = build_steps(plan, budget, Secret("3c" * 16))
+    for s in plan.buckets:
+        n = sum(spec[0] == s and spec[2] is None for spec in specs)
+        assert n == (budget.seeds if s["T"] <= budget.large_tokens else budget.large_seeds), s
+    assert {s["T"] for s in plan.buckets} >= {2048, 16384}  # one of each kind
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_gpu_shapes_come_from_the_target(op):
     from autoopt.targets import load_target

@@ -38,6 +38,10 @@ class Budget:
     """How much one verification runs (the defaults; tests shrink the token caps)."""
 
     seeds: int = 3  # per bucket shape
+    # Prefill-sized buckets (a million elements per output and more) get one seed: another seed
+    # adds little evidence and, for heavy ops with a looping reference, minutes of GPU time.
+    large_tokens: int = 4096
+    large_seeds: int = 1
     drawn: int = 2  # token counts drawn from the op's range (one seed each)
     long: int = 1  # token counts beyond the largest bucket (one seed each)
     follow_ups: int = 2  # cases that get repeat, cache, dependence and order checks

@@ -25,8 +25,10 @@ _CPU_ORDER_T = 64
 def build_steps(plan: ShapePlan, budget: Budget, secret: Secret) -> tuple[list, list[tuple]]:
     """(specs, steps): specs are (shape, seed, edge); steps refer to specs by index."""
     rng = secret.rng
-    specs: list[tuple[dict, int, Any]] = [(s, secret.seed(), None) for s in plan.buckets
-                                          for _ in range(budget.seeds)]
+    specs: list[tuple[dict, int, Any]] = [
+        (s, secret.seed(), None) for s in plan.buckets
+        for _ in range(budget.seeds if s.get("T", 0) <= budget.large_tokens else
+                       min(budget.seeds, budget.large_seeds))]
     specs += [(s, secret.seed(), None) for s in plan.drawn + plan.long]
     specs += [(dict(e.shape), secret.seed(), e) for e in plan.edges]
     pool = plan.buckets + plan.drawn
