@@ -19,7 +19,7 @@ Boundary implementations (model.parallel.BOUNDARIES, plus --fused):
                   on CPU, or without peer access, it is the "gather" path: see boundary_note)
 Measured: per-boundary latency at --tokens (eager, and CUDA-graph replay on GPUs), the
 communication and compute parts alone, each boundary's outputs vs the gather reference
-(bitwise mismatches; NUMERICS.md wants a fused boundary bitwise equal to the unfused one at the
+(bitwise mismatches; docs/numerics.md wants a fused boundary bitwise equal to the unfused one at the
 same TP), and whole decode-step times at --batches (eager: the reference MoE loops over experts
 on the host, so steps are not graph-capturable yet) against their floor: the per-rank floor
 (weights the step reads, its routing's experts and its KV, over this GPU's measured copy

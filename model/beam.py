@@ -128,7 +128,7 @@ class BeamLayer(nn.Module):
             _buffer(self, "down_proj", (h, i), dtype)
         else:
             e, i = shard.num_experts, shard.moe_intermediate_size
-            # The router stays FP32 whatever the model dtype (NUMERICS.md).
+            # The router stays FP32 whatever the model dtype (docs/numerics.md).
             _buffer(self, "router_weight", (cfg.num_experts, h), torch.float32)
             _buffer(self, "router_bias", (cfg.num_experts,), torch.float32)
             _buffer(self, "experts_gate_up", (e, 2 * i, h), dtype)

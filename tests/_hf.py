@@ -43,7 +43,7 @@ def save_hf_checkpoint(cfg: BeamConfig, path: Path, seed: int, **save_kwargs) ->
 def load_hf(path: Path, dtype: torch.dtype):
     from transformers import BeamForCausalLM as HFBeam
 
-    # Pinned per NUMERICS.md: eager attention and the grouped_mm experts backend.
+    # Pinned per docs/numerics.md: eager attention and the grouped_mm experts backend.
     return HFBeam.from_pretrained(
         path, dtype=dtype, attn_implementation="eager", experts_implementation="grouped_mm"
     ).eval()

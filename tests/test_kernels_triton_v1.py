@@ -99,7 +99,7 @@ def test_matches_reference_on_cpu(variants, op, shape, seed):
 
 
 def torch_cuda_order_sum(sq: torch.Tensor, tx: int, vec: int) -> torch.Tensor:
-    """Row sums of sq [T, N] FP32 in torch's CUDA order (NUMERICS.md "Reduction order")."""
+    """Row sums of sq [T, N] FP32 in torch's CUDA order (docs/numerics.md "Reduction order")."""
     t, n = sq.shape
     nchunk = -(-n // (4 * tx))
     padded = torch.zeros(t, nchunk * 4 * tx)

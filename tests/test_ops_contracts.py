@@ -1,6 +1,6 @@
 """Every reference op against an independent formulation, and every near miss against the op.
 
-The independent formulations compute in FP64 and round to BF16 at the points NUMERICS.md names.
+The independent formulations compute in FP64 and round to BF16 at the points docs/numerics.md names.
 FP64 and FP32 intermediates agree except where an FP32 result sits on a BF16 rounding boundary,
 so the comparison allows 1 BF16 ulp on a small fraction of elements; anything structural (a
 missing rounding point, a wrong scale, a wrong order) shows up as far more mismatches.

@@ -43,7 +43,7 @@ def _independent_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Ten
 
 
 def _independent_residual(p: torch.Tensor, residual: torch.Tensor, add_index: int) -> torch.Tensor:
-    """h' = bf(f32(bf(p*a)) + f32(bf(h*b))) in FP64 with explicit roundings (NUMERICS.md)."""
+    """h' = bf(f32(bf(p*a)) + f32(bf(h*b))) in FP64 with explicit roundings (docs/numerics.md)."""
     a, b = 1.0 / math.sqrt(add_index), math.sqrt((add_index - 1) / add_index)
     # bf16 x fp32-constant products are exact in FP64, so rounding to FP32 matches an FP32 mul;
     # the sum of two BF16 values is exact in FP64 too.

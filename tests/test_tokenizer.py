@@ -1,4 +1,4 @@
-"""Demo tokenizer, chat template and incremental detokenizer (format: shared/FORMAT.md)."""
+"""Demo tokenizer, chat template and incremental detokenizer (format: docs/format.md)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ TEMPLATES = Path(__file__).parent / "templates"
 
 
 def numerics_notes() -> str:
-    """The numerics policy text shipped with the package (a copy of the project's NUMERICS.md)."""
+    """The numerics policy text shipped with the package (a copy of docs/numerics.md)."""
     return (PROMPTS / "numerics.md").read_text()
 
 

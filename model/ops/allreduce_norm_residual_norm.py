@@ -7,7 +7,7 @@ partial is its own *combined* expert output (`moe_experts` on its intermediate s
 experts with EP: per-slot down products, FP32 weighted combine, one rounding, x routed scale),
 so the expert combine happens before the rank sum. The boundary is
     branch = bf( f32(p_0) + f32(p_1) + ... + f32(p_{R-1}) )   # FP32, rank order, one rounding
-    (normed_next, new_residual) = norm_residual_norm(branch, residual, ...)   (NUMERICS.md)
+    (normed_next, new_residual) = norm_residual_norm(branch, residual, ...)   (docs/numerics.md)
 The FP32 sum in rank order is fixed so that the result is deterministic and identical on every
 rank (the MoE router downstream must see the same bits everywhere); NCCL's own reduction order
 and its per-step BF16 rounding are not guaranteed.

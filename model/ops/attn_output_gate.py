@@ -1,6 +1,6 @@
 """attn_output_gate(attn[T,Hq,D], gate[T,Hq,D], bias[Hq]) -> [T,Hq,D]
 
-`gate` is the raw gate_proj output. Three rounding points (NUMERICS.md "Output gate"):
+`gate` is the raw gate_proj output. Three rounding points (docs/numerics.md "Output gate"):
     g2 = bf(g + bias[head]);  s = bf(sigmoid_f32(g2));  out = bf(attn * s)
 """
 

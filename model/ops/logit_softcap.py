@@ -1,7 +1,7 @@
 """logit_softcap(logits[T,V], cap) -> FP32 [T,V]
 
 out = f32(tanh(f32(z) / cap)) * cap, all FP32; the FP32 logits are the model's output and are
-never stored as BF16 (NUMERICS.md "Final norm, lm_head, softcap").
+never stored as BF16 (docs/numerics.md "Final norm, lm_head, softcap").
 """
 
 from __future__ import annotations

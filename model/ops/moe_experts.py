@@ -1,7 +1,7 @@
 """moe_experts(x[T,H], gate_up[E,2I,H], down[E,H,I], weights[T,k] fp32, ids[T,k] int64, scale)
 -> [T,H]
 
-The routed experts as transformers' default `grouped_mm` backend computes them (NUMERICS.md
+The routed experts as transformers' default `grouped_mm` backend computes them (docs/numerics.md
 "MoE combine"): per slot, gu = bf(x @ gate_up[e]^T); a = swiglu(gu[:I], gu[I:]);
 d_k = bf(a @ down[e]^T); s_k = f32(d_k) * w_k; y = bf(sum_k s_k) summed over the k slots in
 torch's dim-1 order (on CUDA (((s0+s4)+(s1+s5))+(s2+s6))+(s3+s7); on CPU left to right, which is

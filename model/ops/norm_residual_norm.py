@@ -5,7 +5,7 @@ The sandwich-norm boundary after every attention and MLP sublayer (104 per forwa
     p  = bf(RMSNorm_post(branch))
     h' = bf( f32(bf(f32(p)*a)) + f32(bf(f32(h)*b)) )   a = 1/sqrt(d), b = sqrt((d-1)/d)
     n  = bf(RMSNorm_next(h'))
-with d = add_index = 2(L+1) after attention and 2(L+1)+1 after the MLP (NUMERICS.md). The
+with d = add_index = 2(L+1) after attention and 2(L+1)+1 after the MLP (docs/numerics.md). The
 residual stream is BF16.
 """
 

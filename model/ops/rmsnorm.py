@@ -1,7 +1,7 @@
 """rmsnorm(x[T,H], weight[H], eps) -> [T,H]
 
 y = bf( f32(w) * ( f32(x) * rsqrt(mean(f32(x)^2) + eps) ) ): the weight multiplies after the
-normalisation, in FP32, and the result is rounded once (NUMERICS.md "RMSNorm").
+normalisation, in FP32, and the result is rounded once (docs/numerics.md "RMSNorm").
 Used for the first pre-norm and for the per-head Q/K norms (H = head_dim there).
 """
 
@@ -42,7 +42,7 @@ def _one_plus_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
 NUMERICS = Numerics(
     kind="ulp",
     max_ulp=1,
-    # A plain tl.sum reduction differs from torch's in ~2 per million outputs (NUMERICS.md).
+    # A plain tl.sum reduction differs from torch's in ~2 per million outputs (docs/numerics.md).
     max_mismatch_fraction=1e-3,
     near_misses={
         "round_before_weight": _weight_in_input_dtype,

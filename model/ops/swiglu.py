@@ -1,6 +1,6 @@
 """swiglu(gate[T,I], up[T,I]) -> [T,I]
 
-out = bf( silu_f32(gate) * f32(up) ), rounded once (NUMERICS.md "Dense SwiGLU"). Used by the
+out = bf( silu_f32(gate) * f32(up) ), rounded once (docs/numerics.md "SwiGLU"). Used by the
 three dense MLP layers and inside every expert.
 """
 

@@ -53,7 +53,7 @@ class ModelRunner:
         self.batched_decode = (self.device.type == "cuda") if batched_decode is None \
             else batched_decode
         if model.inv_freq is not None:
-            # RoPE frequencies are computed on the CPU at init (NUMERICS.md); moving the FP32
+            # RoPE frequencies are computed on the CPU at init (docs/numerics.md); moving the FP32
             # values changes nothing and spares a host-to-device copy inside every step (and
             # inside CUDA-graph capture, where it is not allowed).
             model.inv_freq = model.inv_freq.to(self.device)

@@ -2,7 +2,7 @@
 
 # {{HEADER}}
 
-Formula (NUMERICS.md "Output gate"), per element of [T, Hq, D] with head j:
+Formula (docs/numerics.md "Output gate"), per element of [T, Hq, D] with head j:
     g2  = bf( f32(gate) + f32(bias[j]) )
     s   = bf( 1 / (1 + exp(-f32(g2))) )        torch's sigmoid: IEEE divide, expf
     out = bf( f32(attn) * f32(s) )

@@ -2,7 +2,7 @@
 
 # {{HEADER}}
 
-Formula (NUMERICS.md "Final norm, lm_head, softcap"): out = f32( tanh(f32(z) / cap) ) * cap,
+Formula (docs/numerics.md "Final norm, lm_head, softcap"): out = f32( tanh(f32(z) / cap) ) * cap,
 no BF16 rounding (the output is FP32), bitwise. The division is what torch does for a tensor
 divided by a Python float on this device: on CUDA a multiply by the FP32 reciprocal
 (ATen div_true_kernel_cuda), on the CPU a true divide. On the GPU tanh is libdevice's tanhf (what

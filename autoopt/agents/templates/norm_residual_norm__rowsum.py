@@ -3,7 +3,7 @@
 # {{HEADER}}
 Copied from the hand-written kernels/norm_residual_norm/triton_v1.py.
 
-Formula (NUMERICS.md "Post-norm + depth-scaled residual + next pre-norm"), d = add_index:
+Formula (docs/numerics.md "Post-norm, depth-scaled residual, next pre-norm"), d = add_index:
     p  = bf( f32(w_post) * (f32(branch) * rsqrt(mean(f32(branch)^2) + eps)) )
     h' = bf( f32(bf(f32(p) * a)) + f32(bf(f32(h) * b)) )      a = 1/sqrt(d), b = sqrt((d-1)/d)
     n  = bf( f32(w_next) * (f32(h') * rsqrt(mean(f32(h')^2) + eps)) )

@@ -3,7 +3,7 @@
 # {{HEADER}}
 Copied from the hand-written kernels/rmsnorm/triton_v1.py.
 
-Formula (NUMERICS.md "RMSNorm"):
+Formula (docs/numerics.md "RMSNorm"):
     y = bf( f32(w) * ( f32(x) * rsqrt(mean(f32(x)^2) + eps) ) )
 Rounding points: one, the BF16 output (explicit round-to-nearest-even on the bit pattern, so the
 Triton interpreter, whose BF16 cast truncates, computes the same bits as the GPU).

@@ -2,7 +2,7 @@
 
 # {{HEADER}}
 
-Formula (NUMERICS.md "Dense SwiGLU"):
+Formula (docs/numerics.md "SwiGLU"):
     out = bf( f32( f32(g) / (1 + exp(-f32(g))) ) * f32(up) )
 torch's silu is `x / (1 + expf(-x))` in FP32 (IEEE divide), then an FP32 multiply; one rounding
 point, the BF16 output, rounded to nearest even on the bit pattern (the Triton interpreter's BF16
