@@ -246,10 +246,14 @@ def run_bench(args: BenchModelArgs, say: Callable[[str], None] = print) -> Bench
             if not fit:
                 continue
             refs: dict[int, torch.Tensor] = {}
-            for name in sets:
-                got, backend = _bench_set(args, target, rank, name, ctx, fit, iters, rates,
-                                          refs, floors, clock, notes, device)
-                rows += got
+            # Batch by batch, every kernel set at that batch before the next: a budget that
+            # runs out still leaves side-by-side rows (an engine per set and batch; its KV
+            # cache is filled at random, so building one costs little beside the timing).
+            for b in fit:
+                for name in sets:
+                    got, backend = _bench_set(args, target, rank, name, ctx, [b], iters, rates,
+                                              refs, floors, clock, notes, device)
+                    rows += got
     finally:
         free_model(rank)
     _speedups(rows, [kernel_label(s) for s in sets])
@@ -275,7 +279,8 @@ def _bench_set(args, target, rank, name, ctx, fit, iters, rates, refs, floors, c
 
     label = kernel_label(name)
     if clock.over():
-        notes.append(f"context {ctx}, {label}: not run, the budget was spent")
+        note = f"context {ctx}, {label}: not run, the budget was spent"
+        notes += [note] if note not in notes else []
         return [Row(ctx, b, label, ran=False, why="budget spent") for b in fit], ""
     t0 = time.monotonic()
     kset = kernel_set(name, device, args.registry)
@@ -285,8 +290,8 @@ def _bench_set(args, target, rank, name, ctx, fit, iters, rates, refs, floors, c
     served = ServedStep(rank.model, ServeShape(target.phase, max(fit), ctx, steps=steps),
                         cuda_graphs=device.type == "cuda",
                         attention_backend=args.attention_backend, seed=args.seed)
-    notes += [f"{label}: {n}" for n in served.notes]
-    clock.stage(f"context {ctx}, {label}: engine (graph capture)", t0)
+    notes += [m for m in (f"{label}: {n}" for n in served.notes) if m not in notes]
+    clock.stage(f"context {ctx}, batch {max(fit)}, {label}: engine (graph capture)", t0)
     out = []
     try:
         for b in fit:
