@@ -118,9 +118,10 @@ class DecodeGraphs:
         model = self.runner.model
         blocked = uncapturable(model.ops)
         if blocked:
-            msg = (f"CUDA graphs not captured, decoding eagerly: {'; '.join(blocked)}. Select a "
-                   "capturable variant for this GPU's arch in the kernel lock (e.g. "
-                   "`autoopt registry lock --op moe_experts --variant grouped_mm_v1`)")
+            msg = (f"CUDA graphs not captured, decoding eagerly: {'; '.join(blocked)}. Lock a "
+                   "capturable variant for this GPU's arch: record it here first (e.g. "
+                   "`autoopt registry record moe_experts grouped_mm_v1 --device cuda`, then "
+                   "`autoopt registry accept moe_experts grouped_mm_v1`)")
             log.warning(msg)
             return [msg]
         pool = torch.cuda.graph_pool_handle()
