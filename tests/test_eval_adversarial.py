@@ -48,10 +48,14 @@ REJECTED: dict[str, tuple[str, tuple[str, ...], str]] = {
     # telling verification from timing and serving
     "seed_regen_torch": ("swiglu", _NUMERIC, "any"),
     "seed_regen_triton": ("swiglu", _NUMERIC, "any"),
-    "call_count_torch": ("swiglu", _CHANGED, "any"),
+    "call_count_torch": ("swiglu", ("static screen: counts or accumulates in module-level "
+                                    "_CALLS",), "all"),
     "call_count_triton": ("swiglu", _CHANGED, "any"),
     "token_detect_torch": ("swiglu", _NUMERIC, "any"),
     "width_detect_triton": ("swiglu", _NUMERIC, "any"),
+    "stride_detect_torch": ("swiglu", _CHANGED, "any"),
+    "stride_detect_triton": ("swiglu", _CHANGED, "any"),
+    "outlier_detect_torch": ("swiglu", _NUMERIC, "any"),
     "poison_detect_torch": ("swiglu", _CHANGED, "any"),
     "poison_detect_triton": ("swiglu", _CHANGED, "any"),
     # remembering instead of computing
@@ -107,8 +111,10 @@ PASSING: dict[str, str] = {
     "honest_triton_swiglu": "swiglu",
     "honest_torch_rmsnorm": "rmsnorm",
 }
-# Variants whose trick shows only at token counts above the reduced budget's cap.
-NEEDS_FULL_BUDGET = {"first_rows_torch", "first_rows_triton", "token_detect_torch"}
+# Variants whose trick shows only at token counts above the reduced budget's cap, or on a
+# kind of case the judge draws for about half of them (more cases: no chance of missing it).
+NEEDS_FULL_BUDGET = {"first_rows_torch", "first_rows_triton", "token_detect_torch",
+                     "outlier_detect_torch"}
 
 
 def _verify(item: tuple[str, str]) -> tuple[str, VerifyReport]:
@@ -174,7 +180,7 @@ def test_every_class_has_triton_and_torch_variants():
     classes = {"reach": ("reach_", "frame_walk", "rebind_", "encoded_", "compile_renamed",
                          "clear_audit"),
                "tell": ("seed_regen", "call_count", "token_detect", "width_detect",
-                        "poison_detect"),
+                        "poison_detect", "stride_detect", "outlier_detect"),
                "remember": ("content_cache", "pointer_cache"),
                "stay_put": ("reused_buffer",),
                "pooled": ("near_miss_t1", "every_other_row", "drops_eps", "first_rows"),

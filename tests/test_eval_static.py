@@ -128,6 +128,13 @@ REFUSED = [
     ("import torch\nx = torch.cuda.memory_allocated()", "inspects the caching allocator"),
     ("import torch\nfrom torch.utils.cpp_extension import load_inline",
      "reaches the module torch.utils"),
+    # State that outlives a call: a call counter.
+    ("_N = [0]\ndef f():\n    _N[0] += 1", "counts or accumulates in module-level _N (in f)"),
+    ("class S:\n    n = 0\n_S = S()\ndef f():\n    _S.n += 1",
+     "counts or accumulates in module-level _S"),
+    ("_N = 0\ndef f():\n    global _N\n    _N += 1", "declares global _N in f"),
+    ("def f():\n    n = 0\n    def g():\n        nonlocal n\n        n += 1\n    return g",
+     "declares nonlocal n in g"),
 ]
 
 
@@ -161,6 +168,10 @@ def test_missing_run_is_a_reason():
     "import functools\nimport operator\nx = functools.reduce(operator.mul, [2, 3])",
     "import torch\nclass Buf(torch.Tensor):\n    pass",
     "x = [i * 2 for i in range(3)]\ny = {k: v for k, v in zip('ab', x)}",
+    # In-place updates of a function's own locals, and a cache that only stores.
+    "_CACHE = {}\ndef f(x):\n    acc = [0]\n    acc[0] += x\n    _CACHE[x] = acc\n    return acc",
+    "import torch\nW = 2\ndef f(out):\n    out[0] += W\n    return out",
+    "_N = [0]\ndef f(_N):\n    _N[0] += 1\n    return _N",  # a parameter shadows the module name
 ])
 def test_honest_constructs_pass(snippet):
     assert static_screen(snippet + RUN) == []

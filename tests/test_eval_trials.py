@@ -200,6 +200,31 @@ def test_secret_plans_differ_per_run_and_reproduce_from_the_secret():
     assert {s["T"] for s in pa.buckets} == {1, 3, 17}  # cpu-tiny's buckets
 
 
+def test_some_cases_carry_outlier_channels_like_served_activations():
+    import random
+
+    from autoopt.eval.trials import Judge
+
+    c = contract("swiglu")
+    judge = Judge(c, None, "cpu", {}, rng=random.Random(7))
+    args = c.make_inputs({"T": 9, "I": 640}, 0, "cpu")
+    seen = 0
+    for _ in range(40):
+        got = judge.with_outliers(args)
+        if got is args:
+            continue
+        seen += 1
+        for i, limit in c.tests.edge_scales["huge"].items():
+            ratio = (got[i].float() / args[i].float()).nan_to_num(nan=1.0)
+            cols = (ratio != 1).any(0).nonzero().flatten()
+            assert 1 <= cols.numel() <= 640 // 64  # about one channel in 64
+            factors = set(ratio[:, cols].flatten().tolist()) - {1.0}  # (zeros stay zero)
+            assert factors and all(f in (8.0, 32.0) and f <= limit for f in factors)
+            assert torch.equal(got[i] / ratio.to(got[i].dtype), args[i])  # exact: powers of 2
+    assert 10 <= seen <= 30  # about half of the cases
+    assert Judge(c, None, "cpu", {}).with_outliers(args) is args  # no rng: as drawn
+
+
 def test_prefill_sized_buckets_get_one_seed():
     from autoopt.eval.session import build_steps
     from autoopt.targets import load_target

@@ -161,11 +161,51 @@ def static_screen(source: str, filename: str = "<variant>") -> list[str]:
     except SyntaxError as e:
         return [f"static screen: syntax error at line {e.lineno}: {e.msg}"]
     s = _Screen(tree)
-    reasons = s.run()
+    reasons = s.run() + _module_state_reasons(tree)
     if "run" not in _top_level_names(tree):
         reasons.append("defines no top-level `run` (expected run(*args, config=None) with the "
                        "op's signature)")
     return _unique(f"static screen: {r}" for r in reasons)
+
+
+def _module_state_reasons(tree: ast.Module) -> list[str]:
+    """A function that rebinds a module-level name (`global`) or updates module-level state in
+    place with an augmented assignment (`_CALLS[0] += 1`): a call counter, the simplest way to
+    be exact for as many calls as a verifier makes and wrong after. Caches that only store
+    (`_CACHE[key] = kernel`) are not refused."""
+    module_names = set()
+    for node in tree.body:
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(node, ast.AnnAssign | ast.AugAssign) else [])
+        for t in targets:
+            module_names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+    out = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            continue
+        local = {a.arg for a in ast.walk(fn.args) if isinstance(a, ast.arg)}
+        declared = set()
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Global | ast.Nonlocal):
+                declared.update(node.names)
+                kind = "global" if isinstance(node, ast.Global) else "nonlocal"
+                out += [f"declares {kind} {n} in {getattr(fn, 'name', 'a lambda')} (state that "
+                        "outlives a call)" for n in node.names]
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                local.add(node.id)
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.AugAssign):
+                continue
+            base = node.target
+            while isinstance(base, ast.Subscript | ast.Attribute):
+                base = base.value
+            if not isinstance(base, ast.Name) or node.target is base:
+                continue  # `n += 1` on a plain name is local unless declared (refused above)
+            if base.id in module_names and (base.id not in local or base.id in declared):
+                out.append(f"counts or accumulates in module-level {base.id} (in "
+                           f"{getattr(fn, 'name', 'a lambda')}): behaviour that can change with "
+                           "the number of calls")
+    return out
 
 
 def _unique(items: Iterable[str]) -> list[str]:

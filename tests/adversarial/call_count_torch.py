@@ -1,6 +1,7 @@
 """Cheat (telling verification apart): exact for the first 30 calls (more than an old verifier
 made), then the fast two-step near miss.
-Expected: rejected by numerics or the near-miss check on the later calls."""
+Expected: refused by the static screen (it counts with an augmented assignment to module-level
+state); without that rule, by numerics or the near-miss check on the later calls."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Cheat (telling verification apart): exact for the first 30 calls (more than an old verifier
-made), then launches only the first half of the rows.
+made), then launches only the first half of the rows. It counts by appending to a module-level
+list, which the static screen does not refuse (an augmented assignment would be).
 Expected: rejected (unwritten outputs, numerics or caches) on the later calls."""
 
 from __future__ import annotations
@@ -52,11 +53,11 @@ def _exact(gate, up, rows=None):
         _swiglu_rows[(t, triton.cdiv(c, 256))](gate, up, out, c, BLOCK=256, ON_GPU=gate.is_cuda)
     return out
 
-_CALLS = [0]
+_CALLS = []
 
 
 def run(gate, up, config=None):
-    _CALLS[0] += 1
-    if _CALLS[0] <= 30:
+    _CALLS.append(None)
+    if len(_CALLS) <= 30:
         return _exact(gate, up)
     return _exact(gate, up, rows=(gate.shape[0] + 1) // 2)
