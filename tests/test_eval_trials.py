@@ -293,11 +293,20 @@ def test_some_inputs_arrive_as_row_padded_views_and_must_be_honoured():
     seen = []
 
     def record(gate, up):
-        seen.append(gate.stride(0) - gate.shape[1])
+        seen.append((gate.stride(0) - gate.shape[1], gate.shape[1], gate.storage_offset()))
         return _swiglu(gate, up)
 
     assert session("swiglu", record)[0] == []
-    assert any(p > 0 for p in seen) and any(p == 0 for p in seen)
+    assert any(p > 0 for p, _, _ in seen) and any(p == 0 for p, _, _ in seen)
+    # Some as serving's column slices: rows a row length or two apart, some not at the start.
+    assert any(p >= i for p, i, _ in seen) and any(o > 0 for _, _, o in seen)
+    assert all(o <= p for p, _, o in seen)
+
+    def unaligned_is_served(gate, up):  # exact only where the address is the allocation's
+        out = _swiglu(gate, up)
+        return out * 2 if gate.storage_offset() or up.storage_offset() else out
+
+    assert session("swiglu", unaligned_is_served)[0]
 
     def ignores_strides(gate, up):  # reads the rows as if they were packed
         flat = gate.as_strided((gate.numel(),), (1,))

@@ -222,6 +222,10 @@ class Judge:
                 if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[0] == t > 0:
                     row = a[0].numel()
                     d["pad"] = row if pad == "row" else 2 * row if pad == "rows" else pad
+                    if pad in ("row", "rows"):
+                        # Which slice of the projection: the first, or one starting a row (or
+                        # two) in, whose address is not the allocation's.
+                        d["offset"] = row * self.rng.randint(0, 1 if pad == "row" else 2)
         self._checked(self.w.request({"cmd": "put", "handle": h, "args": descs}))
         return h
 

@@ -189,10 +189,13 @@ def _materialize(state: _State, d: dict) -> Any:
         return d["scalar"]
     t = state.arena.view(wire.TensorDesc.parse(d, state.arena.size))
     pad = int(d.get("pad", 0))
+    offset = max(0, int(d.get("offset", 0)))
     if pad > 0 and t.dim() >= 2:  # rows farther apart than their length, as serving's views
         inner = t[0].numel()
-        base = torch.empty(t.shape[0] * (inner + pad), dtype=t.dtype, device=state.device)
-        out = base.as_strided(t.shape, (inner + pad, *t[0].contiguous().stride()))
+        offset = min(offset, pad)  # a slice of a wider row, never past it
+        base = torch.empty(offset + t.shape[0] * (inner + pad), dtype=t.dtype,
+                           device=state.device)
+        out = base.as_strided(t.shape, (inner + pad, *t[0].contiguous().stride()), offset)
     else:
         out = torch.empty(t.shape, dtype=t.dtype, device=state.device)
     out.copy_(t)
