@@ -128,6 +128,8 @@ REFUSED = [
     ("import torch\nx = torch.cuda.memory_allocated()", "inspects the caching allocator"),
     ("import torch\nfrom torch.utils.cpp_extension import load_inline",
      "reaches the module torch.utils"),
+    ("import torch\nn = torch.get_num_threads()", "inspects the process (telling serving"),
+    ("import torch\nn = torch.cuda.device_count()", "inspects the process (telling serving"),
     # State that outlives a call: a call counter.
     ("_N = [0]\ndef f():\n    _N[0] += 1", "counts or accumulates in module-level _N (in f)"),
     ("class S:\n    n = 0\n_S = S()\ndef f():\n    _S.n += 1",

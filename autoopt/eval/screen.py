@@ -108,6 +108,12 @@ DENIED_PATHS: tuple[tuple[str, str], ...] = (
     ("torch.cuda.clock_rate", "inspects the device (telling serving apart)"),
     ("torch.cuda.device_memory_used", "inspects the device (telling serving apart)"),
     ("torch.cuda.graph_pool_handle", "captures CUDA graphs"),
+    # How the process is set up (the judge's CPU worker runs one thread; a farm worker sees one
+    # GPU): the same kernel must compute the same thing whatever the answer.
+    ("torch.get_num_threads", "inspects the process (telling serving apart)"),
+    ("torch.get_num_interop_threads", "inspects the process (telling serving apart)"),
+    ("torch.cuda.device_count", "inspects the process (telling serving apart)"),
+    ("torch.cuda.is_initialized", "inspects the process (telling serving apart)"),
     ("torch.cuda.get_allocator_backend", "inspects the caching allocator"),
     ("torch.cuda.ipc_collect", "inter-process memory"),
     ("torch.cuda.get_rng_state", "reads the RNG state (telling runs apart)"),
