@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
 import tempfile
 from collections import Counter
 from collections.abc import Callable
@@ -129,6 +130,9 @@ def trace_call(run: Callable[[], object], device: torch.device, ranges: bool = T
     `ranges`; `keep` names a file the raw chrome trace is copied to."""
     from model.ops import set_nvtx
 
+    # Kineto prints a line per profiler start and stop on stderr (noise in every command that
+    # profiles); a KINETO_LOG_LEVEL the user set is kept.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
