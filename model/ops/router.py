@@ -1,11 +1,11 @@
 """router(h[T,H], weight[E,H] fp32, bias[E] fp32, n_group, topk_group, top_k)
 -> (weights[T,k] fp32, ids[T,k] int64)
 
-Beam's FP32 grouped router (docs/numerics.md "Router (FP32)"): logits = f32(h) @ W^T in FP32 (TF32 off);
-s = sigmoid(logits); c = s + e_score_correction_bias, for selection only; a group's score is the
-sum of the top-2 of c in it; keep the top `topk_group` groups; ids = topk(c, k) sorted
-descending (this slot order feeds the combine); w = s[ids] / (sum + 1e-20). The routed scale
-2.5 is not applied here.
+Beam's FP32 grouped router (docs/numerics.md "Router (FP32)"): logits = f32(h) @ W^T in FP32
+(TF32 off); s = sigmoid(logits); c = s + e_score_correction_bias, for selection only; a group's
+score is the sum of the top-2 of c in it; keep the top `topk_group` groups; ids = topk(c, k)
+sorted descending (this slot order feeds the combine); w = s[ids] / (sum + 1e-20). The routed
+scale 2.5 is not applied here.
 
 Policy: ids exactly (rows whose reference top-k or top-group boundary is an FP32 tie excepted);
 weights within 16 FP32 ulps on at most 90% of elements, unbiased, and closer to the reference than

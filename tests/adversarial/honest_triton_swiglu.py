@@ -4,7 +4,8 @@ out = bf( silu_f32(gate) * f32(up) ), one rounding (docs/numerics.md "SwiGLU").
 silu is x / (1 + exp(-x)) as torch computes it: an accurate exp (libdevice on GPU; the
 interpreter has no libdevice and uses numpy's exp) and an IEEE division (`div_rn`, not the
 approximate `/`). The BF16 rounding is done explicitly to nearest even on the FP32 bits, because
-the interpreter truncates `.to(tl.bfloat16)` (docs/numerics.md, "Triton facts"); the cast afterwards is exact.
+the interpreter truncates `.to(tl.bfloat16)` (docs/numerics.md, "Triton facts"); the cast
+afterwards is exact.
 Memory traffic: read 2*T*I bf16, write T*I bf16.
 """
 

@@ -6,7 +6,6 @@ Expected: rejected on inputs with outlier channels."""
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 
