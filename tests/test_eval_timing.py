@@ -112,9 +112,9 @@ def test_bench_op_voids_timings_whose_outputs_are_wrong(tmp_path):
     # Exact while verified (few calls), wrong in a timing loop: the timed outputs are judged.
     src = tmp_path / "fast_when_timed.py"
     src.write_text(
-        "import torch.nn.functional as F\n\n_N = [0]\n\n\n"
-        "def run(gate, up, config=None):\n    _N[0] += 1\n"
-        "    if _N[0] <= 4:\n        return (F.silu(gate.float()) * up.float()).to(gate.dtype)\n"
+        "import torch.nn.functional as F\n\n_N = []\n\n\n"
+        "def run(gate, up, config=None):\n    _N.append(None)\n"  # (`+= 1` is screened out)
+        "    if len(_N) <= 4:\n        return (F.silu(gate.float()) * up.float()).to(gate.dtype)\n"
         "    return F.silu(gate) * up\n")
     (row,) = bench_op("swiglu", src, [{"T": 17, "I": 64}], "cpu", warmup=1, iters=3,
                       compile=False)
