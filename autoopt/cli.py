@@ -40,7 +40,7 @@ def main(
     """autoopt: profile, optimize, verify, review and serve."""
 
 
-# ---- model (issue 2) ---------------------------------------------------------------------------
+# ---- model ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DemoCheckpointArgs:
     path: Path
@@ -85,7 +85,7 @@ def forward(
     run_forward(ForwardArgs(model, prompt, dtype, device, top), console)
 
 
-# ---- targets & profiler (issue 5) ----------------------------------------------------------------
+# ---- targets & profiler --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TargetsArgs:
     name: str | None
@@ -166,11 +166,11 @@ def ceilings(
     raise typer.Exit(ceilings_command(CeilingsArgs(device), console))
 
 
-# ---- serving (issues 3, 3b): generate, serve live in cli_serve.py --------------------------
+# ---- serving: generate, serve live in cli_serve.py -----------------------------------------
 cli_serve.register(app)
 
 
-# ---- registry & eval (issue 4) -------------------------------------------------------------------
+# ---- registry & eval -----------------------------------------------------------------------------
 @app.command()
 def verify(
     op: str = typer.Option(..., "--op", help="Op name (registry key), e.g. swiglu."),
@@ -212,5 +212,5 @@ cli_optimize.register(app)
 cli_registry.register(app)
 
 
-if __name__ == "__main__":  # `python -m autoopt.cli`, e.g. under torchrun (issue 7)
+if __name__ == "__main__":  # `python -m autoopt.cli`, e.g. under torchrun
     app()

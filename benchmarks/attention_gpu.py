@@ -1,6 +1,6 @@
 """The attention block on one GPU: correctness against the references and time under CUDA graphs.
 
-On one H200 (the lead runs it; under 5 minutes, `--budget-s` bounds it):
+On one H200 (under 5 minutes; `--budget-s` bounds it):
     python benchmarks/attention_gpu.py --out $OUT
 measures, at Beam's TP8 rank shapes (H=5120, Hq=6, Hkv=1, D=128, pages of 16):
   1. decode attention per layer, contexts 1k/8k/32k/128k x batch 1/8/32/64, full-attention and

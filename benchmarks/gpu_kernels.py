@@ -1,6 +1,6 @@
 """Verify and time every registry variant of the hand-written ops; write their records.
 
-On the H200 (the lead runs it; a few minutes):
+On the H200 (a few minutes):
     python benchmarks/gpu_kernels.py --out $OUT
 verifies each variant on cuda with autoopt.eval's `verify_variant` (real Beam TP8 per-rank
 shapes, several seeds; the five verifications run in parallel child processes), then times it

@@ -1,4 +1,4 @@
-"""benchmarks/attention_gpu.py's CPU dry run: the code the lead runs on the GPU, on tiny shapes."""
+"""benchmarks/attention_gpu.py's CPU dry run: the GPU script's code, on tiny shapes."""
 
 from __future__ import annotations
 

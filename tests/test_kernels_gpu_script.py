@@ -1,4 +1,4 @@
-"""benchmarks/gpu_kernels.py, the lead's H200 script, exercised end to end on CPU (--dry-run)."""
+"""benchmarks/gpu_kernels.py, the H200 script, exercised end to end on CPU (--dry-run)."""
 
 from __future__ import annotations
 

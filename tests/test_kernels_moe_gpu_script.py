@@ -1,4 +1,4 @@
-"""benchmarks/moe_gpu.py, the lead's H200 script for moe_experts, exercised on CPU (--dry-run)."""
+"""benchmarks/moe_gpu.py, the H200 script for moe_experts, exercised on CPU (--dry-run)."""
 
 from __future__ import annotations
 

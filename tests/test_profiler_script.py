@@ -1,4 +1,4 @@
-"""benchmarks/gpu_profile.py --dry-run: the lead's H200 run (bench model tables and a served-step
+"""benchmarks/gpu_profile.py --dry-run: the H200 run (bench model tables and a served-step
 profile), on the CPU with cpu-tiny."""
 
 from __future__ import annotations
