@@ -191,7 +191,8 @@ def _module_state_reasons(tree: ast.Module) -> list[str]:
             continue
         local = {a.arg for a in ast.walk(fn.args) if isinstance(a, ast.arg)}
         declared = set()
-        for node in ast.walk(fn):
+        own = list(_own_nodes(fn))
+        for node in own:
             if isinstance(node, ast.Global | ast.Nonlocal):
                 declared.update(node.names)
                 kind = "global" if isinstance(node, ast.Global) else "nonlocal"
@@ -199,7 +200,7 @@ def _module_state_reasons(tree: ast.Module) -> list[str]:
                         "outlives a call)" for n in node.names]
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                 local.add(node.id)
-        for node in ast.walk(fn):
+        for node in own:
             if not isinstance(node, ast.AugAssign):
                 continue
             base = node.target
@@ -212,6 +213,16 @@ def _module_state_reasons(tree: ast.Module) -> list[str]:
                            f"{getattr(fn, 'name', 'a lambda')}): behaviour that can change with "
                            "the number of calls")
     return out
+
+
+def _own_nodes(fn: ast.AST) -> Iterable[ast.AST]:
+    """The nodes of `fn`'s own scope: nested functions and lambdas are scopes of their own."""
+    todo = list(ast.iter_child_nodes(fn))
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            todo.extend(ast.iter_child_nodes(node))
 
 
 def _unique(items: Iterable[str]) -> list[str]:
