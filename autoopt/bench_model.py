@@ -32,6 +32,7 @@ SCHEMA = "autoopt.bench_model/1"
 GPU_SETS = ("reference", "tuned", "compile")
 CPU_SETS = ("reference", "tuned")
 PREFILL_DEFAULT = (8, 2048)  # sequences x prompt tokens
+MIN_SAMPLES = 5  # timed steps a row keeps however long they take (median and quartiles)
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class BenchModelArgs:
     model: str | None = None
     registry: str | None = None
     iters: int | None = None  # timed steps per row (default 20 on a GPU, 2 on the CPU)
+    row_s: float | None = None  # stop a row's timed steps after this long (keeping MIN_SAMPLES)
     warmup: int = 2
     seed: int = 0
     proxy: bool = False
@@ -59,6 +61,8 @@ class BenchModelArgs:
             raise ValueError("--batch values must be >= 1 and --context values >= 2")
         if self.iters is not None and self.iters < 1:
             raise ValueError("--iters must be >= 1")
+        if self.row_s is not None and self.row_s <= 0:
+            raise ValueError("--row-s must be > 0")
 
 
 @dataclass
@@ -179,9 +183,22 @@ def _parity(ref: torch.Tensor | None, new: torch.Tensor | None) -> dict[str, Any
             "finite": bool(torch.isfinite(b).all())}
 
 
+def timed_steps(step: Callable[[], float], iters: int, row_s: float | None) -> list[float]:
+    """`iters` step times in ms, or fewer when `row_s` seconds are spent first (never fewer
+    than MIN_SAMPLES): an eager reference step at a large batch takes seconds, and twenty of
+    them buy no more than eight."""
+    end = time.monotonic() + row_s if row_s else None
+    samples: list[float] = []
+    for _ in range(iters):
+        samples.append(step() * 1e3)
+        if end is not None and len(samples) >= MIN_SAMPLES and time.monotonic() > end:
+            break
+    return samples
+
+
 def bench_batch(served, target: Target, kset: str, batch: int, iters: int, warmup: int,
                 layers: int, rates, ref_logits: torch.Tensor | None,
-                count: bool = True) -> tuple[Row, Any, Any]:
+                count: bool = True, row_s: float | None = None) -> tuple[Row, Any, Any]:
     """One row: the recorded pass (floor, parity), kernel count, then the timed steps."""
     from .profiler.floor import step_floor
     from .profiler.inventory import record_step
@@ -194,7 +211,7 @@ def bench_batch(served, target: Target, kset: str, batch: int, iters: int, warmu
     for _ in range(warmup):
         served.step()
     n_kernels = count_kernels(served) if count else None
-    samples = [served.step() * 1e3 for _ in range(iters)]
+    samples = timed_steps(served.step, iters, row_s)
     med = statistics.median(samples)
     q = statistics.quantiles(samples, n=4) if len(samples) >= 4 else [med, med, med]
     tokens = batch * (ctx if target.phase == "prefill" else 1)
@@ -302,7 +319,7 @@ def _bench_set(args, target, rank, name, ctx, fit, iters, rates, refs, floors, c
             t0 = time.monotonic()
             row, floor, logits = bench_batch(served, target, label, b, iters, args.warmup,
                                              rank.layers, rates, refs.get(b),
-                                             args.count_kernels)
+                                             args.count_kernels, args.row_s)
             refs.setdefault(b, logits)
             floors.setdefault(f"{ctx}/{b}", floor.to_dict())
             out.append(row)

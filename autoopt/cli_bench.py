@@ -113,6 +113,9 @@ def bench_model(
     registry: Path = _REGISTRY,
     iters: int = typer.Option(None, "--iters", help="Timed steps per row (default 20 on a "
                               "GPU, 2 on the CPU)."),
+    row_s: float = typer.Option(None, "--row-s", help="Stop a row's timed steps after this "
+                                "many seconds, keeping at least 5 (an eager step at a large "
+                                "batch takes seconds)."),
     proxy: bool = typer.Option(False, "--proxy", help="Run a GPU target on another GPU."),
     budget: str = typer.Option(None, "--budget", help="Stop starting new rows after this long "
                                "(30m, 90s)."),
@@ -134,8 +137,8 @@ def bench_model(
             target=name, batches=_ints(batch, "--batch"), contexts=_ints(context, "--context"),
             layers=layers, kernels=tuple(k for k in (kernels or "").split(",") if k),
             attention_backend=attention_backend, phase=phase, model=model,
-            registry=str(registry) if registry else None, iters=iters, proxy=proxy,
-            budget_s=parse_budget(budget) if budget else None)
+            registry=str(registry) if registry else None, iters=iters, row_s=row_s,
+            proxy=proxy, budget_s=parse_budget(budget) if budget else None)
         res = run_bench(args, say=lambda line: console.print(line, highlight=False))
     except (TargetError, ValueError, FileNotFoundError, RuntimeError) as exc:
         raise _fail(exc) from None

@@ -40,6 +40,7 @@ GPU = {"decode": ("h200-tp8-decode", (1, 8, 32, 64), (8192,), (1, 8), 100000),
        "prefill": ("h200-tp8-prefill", (8,), (2048,)), "profile": (1, 64), "context": 8192}
 DRY = {"decode": ("cpu-tiny", (1, 3), (40,), (1,), 64),
        "prefill": ("cpu-tiny", (2,), (24,)), "profile": (1, 3), "context": 40}
+ROW_S = 15.0  # an eager reference step at batch 64 takes seconds: 5 of them, not 20
 SHARES = {"decode": 0.35, "prefill": 0.15, "profile": 0.25, "compile": 0.25}
 
 
@@ -75,7 +76,7 @@ def _bench(run: Run, stem: str, target: str, batches, contexts, sets, budget, ph
     iters = 5 if phase == "prefill" else None  # a prefill step is ~100x a decode step
     args = BenchModelArgs(target, batches=batches, contexts=contexts, kernels=sets,
                           phase=phase, layers=layers, iters=iters, budget_s=budget,
-                          proxy=run.dry_proxy)
+                          proxy=run.dry_proxy, row_s=ROW_S)
     res = run_bench(args, say=run.say)
     if before is not None:
         res = merge_results(before, res)

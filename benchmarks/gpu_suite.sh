@@ -3,8 +3,12 @@
 # under its own time limit, logs to its own file, and never stops the stages after it; every
 # result lands in one directory that is packed into at most a few tarballs under $OUT.
 #
-#   OUT=DIR bash benchmarks/gpu_suite.sh STAGE[=SECONDS] ...
+#   OUT=DIR [SUITE_S=SECONDS] bash benchmarks/gpu_suite.sh STAGE[=SECONDS] ...
 #   (run it from the repository root; `bash benchmarks/gpu_suite.sh list` prints the stages)
+#
+# SUITE_S bounds the whole call: each stage runs under the smaller of its own limit and what is
+# left of SUITE_S (less 20 s for packing), so a stage that finishes early leaves its time to the
+# next, and a stage with no time left is skipped and says so.
 #
 # Packages the machine lacks travel as wheels: .whl/*.whl (small ones), .whl-fi/*.whl
 # (FlashInfer) are installed into a scratch site directory first. nvidia-cutlass-dsl is too large
@@ -14,6 +18,7 @@
 # NVLink multicast stays off for every stage (NCCL, PyTorch symmetric memory, NVSHMEM).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+SUITE_START=$(date +%s)
 SCRATCH=${TMPDIR:-/tmp}/autoopt-gpu-suite
 DSL_PARTS=$SCRATCH/dsl-parts
 R=$SCRATCH/results
@@ -57,6 +62,11 @@ export PYTHONPATH=$SITE:$SCRATCH/dsl:$SCRATCH/dsl/nvidia_cutlass_dsl/dsl_package
 run_stage() {  # run_stage NAME SECONDS: bounded, logged, never fatal
   local name=$1 secs=$2 cmd=${STAGES[$1]:-}
   if [ -z "$cmd" ]; then echo "== unknown stage $name (bash $0 list)"; return; fi
+  if [ -n "${SUITE_S:-}" ]; then
+    local left=$((SUITE_S - 20 - ($(date +%s) - SUITE_START)))
+    if [ "$left" -lt 10 ]; then echo "== $name skipped: SUITE_S=${SUITE_S} is spent"; return; fi
+    [ "$left" -lt "$secs" ] && secs=$left
+  fi
   echo "== $name (limit ${secs}s) $(date +%T)"
   (cd "$PWD" && timeout --kill-after=15 "$secs" bash -c "$cmd") > "$R/$name.log" 2>&1
   echo "== $name exit $? $(date +%T)"

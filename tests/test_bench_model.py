@@ -131,3 +131,30 @@ def test_engine_honours_kernels_for_a_model_passed_in():
     with pytest.raises(Exception, match="no such lock file"):
         LLMEngine(EngineConfig(kernels="missing.lock.toml", **cfg), model=model)
     assert torch.isfinite(model.embed_tokens).all()
+
+
+def test_timed_steps_stop_after_row_s_but_keep_five(monkeypatch):
+    from types import SimpleNamespace
+
+    from autoopt import bench_model
+
+    calls = []  # one per step; each step takes 4 s of a fake clock
+    monkeypatch.setattr(bench_model, "time", SimpleNamespace(monotonic=lambda: 4.0 * len(calls)))
+
+    def slow_step():
+        calls.append(1)
+        return 4.0
+
+    def run(iters, row_s):
+        calls.clear()
+        got = bench_model.timed_steps(slow_step, iters=iters, row_s=row_s)
+        assert len(got) == len(calls) and set(got) == {4000.0}
+        return len(got)
+
+    assert bench_model.MIN_SAMPLES == 5
+    assert run(20, 10.0) == 5  # 10 s are gone after 3 steps; 5 are kept
+    assert run(3, 10.0) == 3  # iters still bounds it
+    assert run(20, 30.0) == 8  # the step that crosses 30 s is the last
+    assert run(20, None) == 20
+    with pytest.raises(ValueError, match="row-s"):
+        bench_model.BenchModelArgs("cpu-tiny", row_s=0)
