@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,6 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--jobs", type=int, default=5, help="Verifications run in parallel.")
+    p.add_argument("--verify-timeout", type=float, default=600.0,
+                   help="Seconds each of the judge's workers may run per verification.")
     p.add_argument("--agent", default="hand-written", help="Provenance for unrecorded variants.")
     p.add_argument("--target", default=None,
                    help="Verify at this target's widths and buckets (default: every shipped "
@@ -89,16 +92,25 @@ def verify_shapes(op: str, device: str, dry: bool) -> list[dict] | None:
 
 
 def verify_all(jobs: list[tuple[str, str, Path]], device: str, seeds: int, dry: bool,
-               workers: int, target: str | None = None) -> dict[tuple[str, str], dict]:
+               workers: int, target: str | None = None, timeout_s: float = 600,
+               done=None) -> dict[tuple[str, str], dict]:
+    """The judge's report per (op, variant); `done(op, name, report)` as each one finishes, so
+    a run cut short keeps the verifications that ended."""
     from autoopt.registry_record import verify
 
     def one(job):
         op, name, source = job
         return (op, name), verify(op, source, device, seeds, verify_shapes(op, device, dry),
-                                  timeout_s=600, target=target)
+                                  timeout_s=timeout_s, target=target)
 
+    reports = {}
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        return dict(pool.map(one, jobs))
+        for fut in as_completed([pool.submit(one, job) for job in jobs]):
+            key, report = fut.result()
+            reports[key] = report
+            if done is not None:
+                done(*key, report)
+    return reports
 
 
 def bench(op: str, source: Path, plan: list[tuple[str, dict]], device: str, args) -> list[dict]:
@@ -170,7 +182,18 @@ def main(argv: list[str] | None = None) -> int:
     arch = current_arch(device)
     seeds = 1 if args.dry_run else args.seeds
     start = time.monotonic()
-    reports = verify_all(jobs, device, seeds, args.dry_run, args.jobs, args.target)
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+
+    def verified(op: str, name: str, report: dict) -> None:  # written now, timed later
+        out = out_registry(reg, args.out, op, name)
+        record_evidence(out, op, name, device, report, [], args.agent)
+        print(f"{op}/{name}: {report['verdict']} after {time.monotonic() - start:.0f} s "
+              f"{'; '.join(report['reasons'][:2])}", flush=True)
+
+    print(f"verifying {len(jobs)} variants, {args.jobs} at once", flush=True)
+    reports = verify_all(jobs, device, seeds, args.dry_run, args.jobs, args.target,
+                         args.verify_timeout, verified)
     print(f"verified {len(jobs)} variants on {device} ({arch}) in "
           f"{time.monotonic() - start:.0f} s", flush=True)
     results = []

@@ -28,7 +28,7 @@ export AUTOOPT_CACHE=$R/cache
 
 declare -A STAGES=(
   [machine]="nvidia-smi; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'; git log -1 --format=%H 2>/dev/null || true"
-  [tests]="python3 -m pytest -q -m gpu -p no:cacheprovider --durations=20 \${GPU_TESTS:-tests/}"
+  [tests]="python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors --durations=20 \${GPU_TESTS:-tests/}"
   [kernels]="python3 benchmarks/gpu_kernels.py --out \$R/kernels \${KERNELS_ARGS:-}"
   [moe]="python3 benchmarks/moe_gpu.py --out \$R/moe \${MOE_ARGS:-}"
   [router]="python3 benchmarks/router_cute_gpu.py --out \$R/router \${ROUTER_ARGS:-}"

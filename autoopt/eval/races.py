@@ -68,7 +68,7 @@ def _close_and_read(w: Any, log: Path) -> str:
 
 
 def gpu_racecheck(c: Any, text: bytes, plan: Any, secret: Any, config: dict | None,
-                  device: str) -> dict[str, Any]:
+                  device: str, timeout_s: float | None = None) -> dict[str, Any]:
     from .channel import Worker, WorkerError
     from .run import POISON_DTYPES, palette_bits, start_candidate
     from .trials import Judge
@@ -80,7 +80,10 @@ def gpu_racecheck(c: Any, text: bytes, plan: Any, secret: Any, config: dict | No
     shape = min([s for s in plan.buckets if s.get("T", 0) >= 2] or plan.buckets,
                 key=lambda s: c.cost(s).bytes)
     out: dict[str, Any] = {"tool": "compute-sanitizer --tool racecheck", "shape": shape}
-    w = Worker(device, budget_s=SANITIZER_TIMEOUT_S, wrapper=[])
+    # The verification's own limit bounds this worker too (it is its slowest: every kernel runs
+    # under the sanitizer), never more than SANITIZER_TIMEOUT_S.
+    limit = SANITIZER_TIMEOUT_S if timeout_s is None else min(SANITIZER_TIMEOUT_S, timeout_s)
+    w = Worker(device, budget_s=limit, wrapper=[])
     log = w.tmp / "racecheck.log"
     w.wrapper = [exe, "--tool", "racecheck", "--print-limit", "20", "--log-file", str(log)]
     try:

@@ -7,7 +7,9 @@ computed with TF32 off (docs/numerics.md: FP32 GEMMs are FP32) and the setting i
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets as _secrets
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +22,8 @@ from .judgement import judge_near_misses, judge_numerics
 from .plan import Budget, Secret, ShapePlan
 from .session import build_steps, run_steps
 from .trials import Judge
+
+log = logging.getLogger("autoopt.eval")  # one line per phase: where a slow verification spends
 
 POISON_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.int32)
 
@@ -78,6 +82,9 @@ def judge_candidate(report: Any, c: Any, text: bytes, plan: ShapePlan, budget: B
     cuda = device.startswith("cuda")
     report.env = run_env(device)
     reasons: list[str] = []
+    t0 = time.monotonic()
+    log.info("%s: judging on %s (%d shapes planned)", c.name, device,
+             len(plan.buckets) + len(plan.drawn) + len(plan.long))
     with tf32_off(), Worker(device, budget_s=timeout_s,
                             mem_limit_bytes=None if cuda else CPU_MEM_LIMIT) as w:
         try:
@@ -91,8 +98,13 @@ def judge_candidate(report: Any, c: Any, text: bytes, plan: ShapePlan, budget: B
                                         "stderr_tail": w.stderr_tail()[-1500:]}
     blocked = report.checks["sandbox"].get("blocked", [])
     reasons += [f"sandbox: blocked {b}" for b in blocked[:3]]
+    log.info("%s: trials done in %.0f s, %d reasons", c.name, time.monotonic() - t0,
+             len(reasons))
+    t1 = time.monotonic()
     report.checks["races"] = _races(report, c, text, plan, s, config, cuda, racecheck,
-                                    failed=bool(reasons))
+                                    failed=bool(reasons), timeout_s=timeout_s)
+    log.info("%s: races %s in %.0f s", c.name, report.checks["races"].get("status"),
+             time.monotonic() - t1)
     if report.checks["races"].get("reason"):
         reasons.append(report.checks["races"]["reason"])
     report.reasons = reasons
@@ -109,7 +121,10 @@ def _session(report: Any, c: Any, w: Worker, text: bytes, plan: ShapePlan, budge
     j = Judge(c, w, report.device, palette_bits(palettes), rng=s.rng)
     specs, steps = build_steps(plan, budget, s)
     report.seeds = sorted({seed for _, seed, _ in specs})
+    t0 = time.monotonic()
     burst = run_steps(j, specs, steps, budget, s)
+    log.info("%s: %d steps, %d calls in %.0f s", c.name, len(steps), j.calls,
+             time.monotonic() - t0)
     reasons = j.findings.reasons()
     if not j.per_shape and not reasons:
         reasons.append("no trial completed (no shapes given)")
@@ -127,12 +142,15 @@ def _session(report: Any, c: Any, w: Worker, text: bytes, plan: ShapePlan, budge
     if report.device.startswith("cuda") and time_check and not reasons:
         from .timing import floor_check
 
+        t0 = time.monotonic()
         reasons += floor_check(j, plan, s, report.checks)
+        log.info("%s: timing checks in %.0f s", c.name, time.monotonic() - t0)
     return reasons
 
 
 def _races(report: Any, c: Any, text: bytes, plan: ShapePlan, s: Secret, config: dict | None,
-           cuda: bool, racecheck: bool | None, failed: bool) -> dict[str, Any]:
+           cuda: bool, racecheck: bool | None, failed: bool,
+           timeout_s: float | None = None) -> dict[str, Any]:
     from .races import gpu_racecheck, is_kernel_language
 
     cpu_note = ("programs of interpreted Triton launches run in natural, reversed and random "
@@ -146,4 +164,4 @@ def _races(report: Any, c: Any, text: bytes, plan: ShapePlan, s: Secret, config:
                 else "skipped (racecheck=False)"}
     if failed:
         return {"status": "not run (already rejected)"}
-    return gpu_racecheck(c, text, plan, s, config, report.device)
+    return gpu_racecheck(c, text, plan, s, config, report.device, timeout_s)
