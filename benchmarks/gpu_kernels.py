@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="Token counts timed at h200-tp8-decode's widths.")
     p.add_argument("--prefill-tokens", default=",".join(map(str, PREFILL_TOKENS)),
                    help="Token counts timed at h200-tp8-prefill's widths.")
+    p.add_argument("--bench-only", default="",
+                   help="Comma-separated OP/VARIANT: time these without verifying them again "
+                        "(their record must already pass on this arch for the file as it is).")
     p.add_argument("--write-registry", action="store_true",
                    help="Also write the merged records into the registry itself.")
     return p.parse_args(argv)
@@ -105,8 +108,15 @@ def verify_all(jobs: list[tuple[str, str, Path]], device: str, seeds: int, dry: 
 
     reports = {}
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        for fut in as_completed([pool.submit(one, job) for job in jobs]):
-            key, report = fut.result()
+        futures = {pool.submit(one, job): job for job in jobs}
+        for fut in as_completed(futures):
+            try:
+                key, report = fut.result()
+            except Exception as exc:  # noqa: BLE001 - the judge itself failed: say so, go on
+                op, name, _ = futures[fut]
+                print(f"{op}/{name}: the judge failed, nothing recorded: "
+                      f"{type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                continue
             reports[key] = report
             if done is not None:
                 done(*key, report)
@@ -170,13 +180,15 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     from autoopt.registry_record import record_evidence
-    from model.registry import Registry, current_arch
+    from model.registry import Registry, current_arch, writers
 
     reg = Registry(args.registry)
     wanted = set(args.variants.split(",")) if args.variants else None
     jobs = [(op, name, reg.variant_path(op, name)) for op in args.ops.split(",")
             for name in reg.variants(op) if wanted is None or name in wanted]
-    if not jobs:
+    timed_only = [tuple(x.split("/", 1)) for x in args.bench_only.split(",") if x.strip()]
+    jobs = [j for j in jobs if (j[0], j[1]) not in timed_only]
+    if not jobs and not timed_only:
         print(f"no variants of {args.ops} in {reg.root}", file=sys.stderr)
         return 2
     arch = current_arch(device)
@@ -194,23 +206,37 @@ def main(argv: list[str] | None = None) -> int:
     print(f"verifying {len(jobs)} variants, {args.jobs} at once", flush=True)
     reports = verify_all(jobs, device, seeds, args.dry_run, args.jobs, args.target,
                          args.verify_timeout, verified)
+    for op, name in timed_only:  # verified earlier on this arch: only timed now
+        rec = reg.read_record(op, name)
+        if rec is None or not rec.verified(arch, reg.read_variant(op, name)[0].sha256):
+            print(f"--bench-only {op}/{name}: no passing {arch} verification of the file as it "
+                  "is; verify it instead", file=sys.stderr)
+            return 2
+        reports[(op, name)] = {"verdict": "pass", "reasons": [], "earlier": True}
+        jobs.append((op, name, reg.variant_path(op, name)))
     print(f"verified {len(jobs)} variants on {device} ({arch}) in "
           f"{time.monotonic() - start:.0f} s", flush=True)
     results = []
     for op, name, source in jobs:
-        report = reports[(op, name)]
+        report = reports.get((op, name))
+        if report is None:
+            continue
         t0 = time.monotonic()
         bench_error = None
         try:
+            if report["verdict"] != "pass":
+                raise ValueError("not timed: rejected")
             plan = bench_plan(op, device, args.dry_run, _ints(args.decode_tokens),
                               _ints(args.prefill_tokens))
             rows = bench(op, source, plan, device, args)
         except (RuntimeError, ValueError) as exc:  # one op's failure must not lose the others
             rows, bench_error = [], str(exc)
         out = out_registry(reg, args.out, op, name)
-        record_evidence(out, op, name, device, report, rows, args.agent)
-        if args.write_registry:
-            record_evidence(reg, op, name, device, report, rows, args.agent)
+        for dst in (out, reg) if args.write_registry else (out,):
+            if report.get("earlier"):  # keep its verification, add this GPU's rows
+                writers.record(dst, op, name, [], rows, args.agent)
+            else:
+                record_evidence(dst, op, name, device, report, rows, args.agent)
         path = out.record_path(op, name)
         results.append({"op": op, "variant": name, "verdict": report["verdict"],
                         "reasons": report["reasons"], "rows": rows, "record": str(path),

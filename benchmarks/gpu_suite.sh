@@ -8,7 +8,8 @@
 #
 # SUITE_S bounds the whole call: each stage runs under the smaller of its own limit and what is
 # left of SUITE_S (less 20 s for packing), so a stage that finishes early leaves its time to the
-# next, and a stage with no time left is skipped and says so.
+# next, and a stage with no time left is skipped and says so. A stage's command sees its own
+# limit as STAGE_S (bench-step sizes its --budget from it).
 #
 # Packages the machine lacks travel as wheels: .whl/*.whl (small ones), .whl-fi/*.whl
 # (FlashInfer) are installed into a scratch site directory first. nvidia-cutlass-dsl is too large
@@ -35,6 +36,7 @@ declare -A STAGES=(
   [attention]="python3 benchmarks/attention_gpu.py --out \$R/attention \${ATTENTION_ARGS:-}"
   [eval]="python3 benchmarks/eval_harness_gpu.py --out \$R/eval \${EVAL_ARGS:-}"
   [bench-model]="python3 benchmarks/gpu_profile.py --out \$R/bench-model \${PROFILE_ARGS:-}"
+  [bench-step]="python3 -m autoopt.cli bench model --target h200-tp8-decode --kernels reference,tuned --row-s 8 --budget \$((STAGE_S - 45))s --out \$R/bench-step \${STEP_ARGS:-}"
   [agents]="python3 benchmarks/agents_gpu.py --out \$R/agents"
   [accept]="python3 benchmarks/gpu_accept.py \${ACCEPT_ARGS:-} && mkdir -p \$R/registry-after && cp -r kernels/. \$R/registry-after/"
   [batch-invariant]="python3 benchmarks/batch_invariant_bench.py --out \$R/batch-invariant \${BI_ARGS:-}"
@@ -68,7 +70,7 @@ run_stage() {  # run_stage NAME SECONDS: bounded, logged, never fatal
     [ "$left" -lt "$secs" ] && secs=$left
   fi
   echo "== $name (limit ${secs}s) $(date +%T)"
-  (cd "$PWD" && timeout --kill-after=15 "$secs" bash -c "$cmd") > "$R/$name.log" 2>&1
+  (cd "$PWD" && STAGE_S=$secs timeout --kill-after=15 "$secs" bash -c "$cmd") > "$R/$name.log" 2>&1
   echo "== $name exit $? $(date +%T)"
   tail -n "${TAIL_LINES:-30}" "$R/$name.log"
 }
