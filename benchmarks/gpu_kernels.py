@@ -66,7 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="Token counts timed at h200-tp8-prefill's widths.")
     p.add_argument("--bench-only", default="",
                    help="Comma-separated OP/VARIANT: time these without verifying them again "
-                        "(their record must already pass on this arch for the file as it is).")
+                        "(their record must already pass on this arch for the file as it is); "
+                        "without --variants, nothing else runs.")
     p.add_argument("--write-registry", action="store_true",
                    help="Also write the merged records into the registry itself.")
     return p.parse_args(argv)
@@ -187,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(op, name, reg.variant_path(op, name)) for op in args.ops.split(",")
             for name in reg.variants(op) if wanted is None or name in wanted]
     timed_only = [tuple(x.split("/", 1)) for x in args.bench_only.split(",") if x.strip()]
-    jobs = [j for j in jobs if (j[0], j[1]) not in timed_only]
+    # With --bench-only and no --variants, only those are timed (nothing else is verified).
+    jobs = [j for j in jobs if (j[0], j[1]) not in timed_only and (wanted or not timed_only)]
     if not jobs and not timed_only:
         print(f"no variants of {args.ops} in {reg.root}", file=sys.stderr)
         return 2

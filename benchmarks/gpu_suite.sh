@@ -29,14 +29,16 @@ export AUTOOPT_CACHE=$R/cache
 
 declare -A STAGES=(
   [machine]="nvidia-smi; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'; git log -1 --format=%H 2>/dev/null || true"
-  [tests]="python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors --durations=20 \${GPU_TESTS:-tests/}"
+  [tests]="python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider --continue-on-collection-errors --durations=20 \${GPU_TESTS:-tests/}"
   [kernels]="python3 benchmarks/gpu_kernels.py --out \$R/kernels \${KERNELS_ARGS:-}"
+  [kernels2]="python3 benchmarks/gpu_kernels.py --out \$R/kernels2 \${KERNELS2_ARGS:-}"
+  [kernels3]="python3 benchmarks/gpu_kernels.py --out \$R/kernels3 \${KERNELS3_ARGS:-}"
   [moe]="python3 benchmarks/moe_gpu.py --out \$R/moe \${MOE_ARGS:-}"
   [router]="python3 benchmarks/router_cute_gpu.py --out \$R/router \${ROUTER_ARGS:-}"
   [attention]="python3 benchmarks/attention_gpu.py --out \$R/attention \${ATTENTION_ARGS:-}"
   [eval]="python3 benchmarks/eval_harness_gpu.py --out \$R/eval \${EVAL_ARGS:-}"
   [bench-model]="python3 benchmarks/gpu_profile.py --out \$R/bench-model \${PROFILE_ARGS:-}"
-  [bench-step]="python3 -m autoopt.cli bench model --target h200-tp8-decode --kernels reference,tuned --row-s 8 --budget \$((STAGE_S - 45))s --out \$R/bench-step \${STEP_ARGS:-}"
+  [bench-step]="python3 -m autoopt.cli bench model --target h200-tp8-decode --context 8192 --kernels reference,tuned --row-s 8 --budget \$((STAGE_S - 45))s --out \$R/bench-step \${STEP_ARGS:-}"
   [agents]="python3 benchmarks/agents_gpu.py --out \$R/agents"
   [accept]="python3 benchmarks/gpu_accept.py \${ACCEPT_ARGS:-} && mkdir -p \$R/registry-after && cp -r kernels/. \$R/registry-after/"
   [batch-invariant]="python3 benchmarks/batch_invariant_bench.py --out \$R/batch-invariant \${BI_ARGS:-}"

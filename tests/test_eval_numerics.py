@@ -181,3 +181,57 @@ def test_router_tie_at_the_top_k_boundary_is_tolerated():
     swapped[row, swapped[row] == picked] = other  # the other side of the exact tie
     ok, rows = router_tie_rows(args, ids, swapped)
     assert bool(ok[row]) and rows[0]["tie"] is True
+
+
+def _router_tie_in_slot_order(t: int = 17, row: int = 5):
+    """Router inputs whose token `row` has two picked experts tied exactly in score, and the
+    reference's outputs."""
+    c, args = _router_inputs(t)
+    h, weight, bias, n_group, topk_group, top_k = args
+    _, ids = c.reference(*args)
+    scores = torch.sigmoid(torch.nn.functional.linear(h.float(), weight)) + bias
+    a, b = int(ids[row, 1]), int(ids[row, 2])
+    bias = bias.clone()
+    bias[b] += scores[row, a] - scores[row, b]  # b now ties a exactly
+    args = (h, weight, bias, n_group, topk_group, top_k)
+    return c, args, c.reference(*args)
+
+
+def test_router_slots_swapped_across_a_tie_are_compared_in_the_references_order():
+    from autoopt.eval.numerics import align_tied_slots
+
+    c, args, (w, ids) = _router_tie_in_slot_order()
+    row = 5
+    sw, sids = w.clone(), ids.clone()
+    sw[row, [1, 2]], sids[row, [1, 2]] = w[row, [2, 1]], ids[row, [2, 1]]  # the other order
+    ok, rows = router_tie_rows(args, ids, sids)
+    assert bool(ok[row]) and rows[0]["tie"] is True
+    (aw, aids), still = align_tied_slots((w, ids), (sw, sids), ok)
+    assert torch.equal(aids, ids) and torch.equal(aw, w) and not bool(still.any())
+    # The same swap with a wrong weight stays visible: aligned, then compared in full.
+    bad = sw.clone()
+    bad[row, 1] = bad[row, 1] * 1.5
+    (aw, _), _ = align_tied_slots((w, ids), (bad, sids), ok)
+    assert not torch.equal(aw, w)
+
+
+def test_judge_record_counts_no_mismatch_for_a_tied_slot_swap_and_catches_a_wrong_weight():
+    from autoopt.eval.trials import Judge
+
+    c, args, (w, ids) = _router_tie_in_slot_order()
+    row = 5
+    sw, sids = w.clone(), ids.clone()
+    sw[row, [1, 2]], sids[row, [1, 2]] = w[row, [2, 1]], ids[row, [2, 1]]
+    j = Judge(c, None, "cpu", {})
+    j.record("k", args, (sw, sids), (w, ids))
+    assert j.stats[("k", 0)].mismatches == 0 and j.stats[("k", 1)].mismatches == 0
+    bad = sw.clone()
+    bad[row, 2] = bad[row, 2] * 1.5  # the swapped slot's weight is wrong
+    j.record("k", args, (bad, sids), (w, ids))
+    assert j.stats[("k", 0)].mismatches == 1 and j.stats[("k", 1)].mismatches == 0
+    # Swapping slots where nothing ties is not tolerated.
+    other = 9
+    nw, nids = w.clone(), ids.clone()
+    nw[other, [0, 7]], nids[other, [0, 7]] = w[other, [7, 0]], ids[other, [7, 0]]
+    j.record("k", args, (nw, nids), (w, ids))
+    assert j.stats[("k", 1)].mismatches == 2

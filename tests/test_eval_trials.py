@@ -313,3 +313,96 @@ def test_some_inputs_arrive_as_row_padded_views_and_must_be_honoured():
         return _swiglu(flat.view(gate.shape), up)
 
     assert session("swiglu", ignores_strides)[0]
+
+
+def _session_with_burst(op: str, run, budget: Budget) -> tuple[list[str], dict]:
+    c, s = contract(op), Secret()
+    w = InProcessWorker(lambda *a, config=None: run(*a))
+    palettes = {dt: s.palette(dt) for dt in POISON_DTYPES}
+    descs = w.pack(list(palettes.values()))
+    w.request({"cmd": "palette", "seed": 1, "palettes": dict(zip(
+        [str(d).removeprefix("torch.") for d in palettes], descs, strict=True))})
+    j = Judge(c, w, "cpu", palette_bits(palettes), rng=s.rng)
+    plan = plan_shapes(c, "cpu", default_targets("cpu"), None, budget, s)
+    specs, steps = build_steps(plan, budget, s)
+    info = run_steps(j, specs, steps, budget, s)
+    return j.findings.reasons() + judge_numerics(j, "cpu")[0], info
+
+
+def test_a_burst_over_its_memory_bound_runs_two_sets_and_still_catches_a_pointer_cache():
+    tight = Budget(seeds=1, max_tokens=40, burst_bytes=1)
+    reasons, info = _session_with_burst("swiglu", _swiglu, tight)
+    assert reasons == [] and info["sets"] == 2 and info["bounded_by_memory"]
+    assert info["set_bytes"] > 0
+    roomy = Budget(seeds=1, max_tokens=40)
+    _, info = _session_with_burst("swiglu", _swiglu, roomy)
+    assert info["sets"] == roomy.burst_sets and not info["bounded_by_memory"]
+
+    cache = {}
+
+    def by_pointer(gate, up):
+        return cache.setdefault((gate.data_ptr(), up.data_ptr()), _swiglu(gate, up)).clone()
+
+    reasons, _ = _session_with_burst("swiglu", by_pointer, tight)
+    assert any("in a burst of 2 input sets" in r for r in reasons), reasons
+
+
+def test_alternative_inputs_are_drawn_once_for_the_case_that_asks_and_kept_for_one_case():
+    from autoopt.eval.shapes import cpu_shapes
+    from autoopt.eval.trials import ALT_OFFSET, Case
+
+    c = contract("swiglu")
+    shape = cpu_shapes("swiglu", (3,))[0]
+    draws = []
+    real = c.make_inputs
+
+    class Counting:  # the contract, counting its draws
+        def __getattr__(self, name):
+            return getattr(c, name)
+
+        def make_inputs(self, shape, seed, device="cpu"):
+            draws.append(seed)
+            return real(shape, seed, device)
+
+    j = Judge(Counting(), None, "cpu", {})
+    a = Case("a", shape, 11, None, real(shape, 11), (), {})
+    b = Case("b", shape, 12, None, real(shape, 12), (), {})
+    first = j.alt_args(a)
+    assert j.alt_args(a) is first and draws == [11 + ALT_OFFSET]
+    expect = real(shape, 11 + ALT_OFFSET)
+    assert all(torch.equal(x, y) for x, y in zip(first, expect, strict=True))
+    j.alt_args(b)
+    assert a.alt is None and b.alt is not None  # only the last case's is kept
+    again = j.alt_args(a)
+    assert draws == [11 + ALT_OFFSET, 12 + ALT_OFFSET, 11 + ALT_OFFSET]
+    assert all(torch.equal(x, y) for x, y in zip(again, first, strict=True))
+
+
+def test_inputs_of_cases_followed_only_by_rechecks_are_freed_after_their_first_call():
+    c, s = contract("swiglu"), Secret()
+    w = InProcessWorker(lambda *a, config=None: _swiglu(*a))
+    log = []
+    real = w.request
+
+    def request(msg, **kw):
+        log.append((msg["cmd"], list(msg.get("handles", [])), list(msg.get("outs", [])),
+                    msg.get("handle"), len(w.state.held)))
+        return real(msg, **kw)
+
+    w.request = request
+    palettes = {dt: s.palette(dt) for dt in POISON_DTYPES}
+    descs = w.pack(list(palettes.values()))
+    w.request({"cmd": "palette", "seed": 1, "palettes": dict(zip(
+        [str(d).removeprefix("torch.") for d in palettes], descs, strict=True))})
+    j = Judge(c, w, "cpu", palette_bits(palettes), rng=s.rng)
+    budget = Budget(seeds=2, max_tokens=40)
+    plan = plan_shapes(c, "cpu", default_targets("cpu"), None, budget, s)
+    specs, steps = build_steps(plan, budget, s)
+    run_steps(j, specs, steps, budget, s)
+    assert j.findings.reasons() == []  # rechecks of the freed cases' outputs still pass
+    early = [h for cmd, hs, outs, _, _ in log if cmd == "drop" and hs and not outs for h in hs]
+    assert early  # budget.rechecks cases, less those that also get follow-ups
+    for h in early:  # a freed case's inputs are never called on again
+        dropped_at = next(n for n, e in enumerate(log) if e[0] == "drop" and h in e[1])
+        assert not any(e[3] == h for e in log[dropped_at + 1:])
+    assert not w.state.held and not w.state.outs  # everything freed at the end

@@ -51,3 +51,25 @@ def test_gpu_plan_uses_beam_tp8_rank_shapes():
     assert [s["T"] for _, s in plan] == [1, 8, 32, 128, 2048, 16384]
     assert all(s["Hq"] == 6 and s["D"] == 128 for _, s in plan)  # 48 heads / TP8
     assert script.bench_plan("norm_residual_norm", "cuda", dry=False)[0][1]["H"] == 5120
+
+
+def test_bench_only_times_a_variant_verified_earlier_and_keeps_its_verification(tmp_path, capsys):
+    script = load_script()
+    code = script.main(["--dry-run", "--ops", "rmsnorm", "--bench-only", "rmsnorm/triton_v1",
+                        "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "verifying 0 variants" in out  # nothing else ran
+    rec = Registry(tmp_path).read_record("rmsnorm", "triton_v1")
+    committed = Registry(DEFAULT_ROOT).read_record("rmsnorm", "triton_v1")
+    assert rec.verification == committed.verification  # kept, not made again
+    assert [b.shape["T"] for b in rec.benchmarks if b.gpu == "cpu"] == [1, 3]
+
+
+def test_bench_only_refuses_a_variant_without_a_passing_verification_here(tmp_path, capsys):
+    script = load_script()
+    # attention/flashinfer_v1 has no verification on any arch: it must be verified, not timed.
+    code = script.main(["--dry-run", "--ops", "attention", "--bench-only",
+                        "attention/flashinfer_v1", "--out", str(tmp_path)])
+    assert code == 2
+    assert "verify it instead" in capsys.readouterr().err

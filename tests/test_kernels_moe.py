@@ -313,3 +313,33 @@ def test_the_fused_template_is_triton_v1s_program() -> None:
 
     v1 = Registry().variant_path("moe_experts", "triton_v1").read_text()
     assert code_key(CATALOG["moe_experts"][0].render()) == code_key(v1)
+
+
+def _distinct_experts(w: torch.Tensor) -> bool:
+    """No two experts equal or proportional (one row's ratio is enough to tell)."""
+    rows = w[:, 0, :].float()
+    unit = rows / rows.norm(dim=-1, keepdim=True)
+    cos = unit @ unit.T
+    return bool((cos - torch.eye(len(w), device=w.device)).abs().max() < 1 - 1e-6)
+
+
+def test_expert_weights_on_the_cpu_are_distinct_and_reproducible() -> None:
+    from model.ops._contract import gen
+    from model.ops.moe_experts import POOL, expert_weights
+
+    a = expert_weights(POOL + 5, 6, 16, gen(3), torch.bfloat16, "cpu", 0.25)
+    b = expert_weights(POOL + 5, 6, 16, gen(3), torch.bfloat16, "cpu", 0.25)
+    assert torch.equal(a, b) and _distinct_experts(a)
+    assert not torch.equal(a, expert_weights(POOL + 5, 6, 16, gen(4), torch.bfloat16, "cpu", 0.25))
+
+
+@pytest.mark.gpu
+def test_expert_weights_drawn_on_the_gpu_are_distinct_and_reproducible() -> None:
+    from model.ops._contract import gen
+    from model.ops.moe_experts import expert_weights
+
+    args = (RANK["E"], 2 * RANK["I"], RANK["H"])
+    a = expert_weights(*args, gen(3), torch.bfloat16, "cuda", RANK["H"] ** -0.5)
+    b = expert_weights(*args, gen(3), torch.bfloat16, "cuda", RANK["H"] ** -0.5)
+    assert a.is_cuda and torch.equal(a, b) and _distinct_experts(a)
+    assert abs(float(a[:4].float().std()) - RANK["H"] ** -0.5) < 0.2 * RANK["H"] ** -0.5

@@ -160,39 +160,60 @@ def recheck(j: Judge, case: Case) -> None:
     j.drop([], [case.out_id])
 
 
-def burst(j: Judge, shape: dict, seeds: list[int], reps: int, samples: list[int]) -> dict:
-    """Many calls over distinct sets (a graph on cuda); refresh; poison; replay; check."""
+def burst(j: Judge, shape: dict, seeds: list[int], reps: int, samples: list[int],
+          max_bytes: int | None = None) -> dict:
+    """Many calls over distinct sets (a graph on cuda); refresh; poison; replay; check. With
+    `max_bytes`, as many sets as fit in it (at least two; samples folded onto them)."""
+    first = j.c.make_inputs(dict(shape), seeds[0], j.device)
+    size = sum(a.numel() * a.element_size() for a in first if isinstance(a, torch.Tensor))
+    bounded = max_bytes is not None and size * len(seeds) > max_bytes
+    if bounded:
+        n = max(2, max_bytes // max(size, 1))
+        seeds, samples = seeds[:n], sorted({k % n for k in samples})
     key = "burst " + shape_key(shape)
     where = f"in a burst of {len(seeds)} input sets x {reps} at {shape_key(shape)}"
-    sets = [j.c.make_inputs(dict(shape), s, j.device) for s in seeds]
-    handles = [j.put(a) for a in sets]
+    # One set at a time on the judge's side: each is handed over, and only what the checks
+    # need stays here (the sampled sets' stale references, every set's scalars and layout).
+    handles, stale, skeletons = [], {}, []
+    for k, seed in enumerate(seeds):
+        args = first if k == 0 else j.c.make_inputs(dict(shape), seed, j.device)
+        first = None
+        handles.append(j.put(args))
+        if k in samples:
+            stale[k] = j.reference(args)
+        skeletons.append(tuple(torch.empty(a.shape, dtype=a.dtype, device="meta")
+                               if isinstance(a, torch.Tensor) else a for a in args))
+        del args
     reply = j._checked(j.w.request({"cmd": "burst_setup", "handles": handles, "reps": reps,
                                     "warmup": 1, "graph": True}))
-    info = {"graph": reply.get("graph"), "note": reply.get("note"), "sets": len(seeds)}
+    info = {"graph": reply.get("graph"), "note": reply.get("note"), "sets": len(seeds),
+            "set_bytes": size, "bounded_by_memory": bounded}
     if "raised" in reply:
         j.findings.add("raised", f"candidate raised {reply['raised']} {where}")
         j.drop(handles)
         return info
-    fresh_sets = [refill(old, j.c.make_inputs(dict(shape), s + 2 * 7919, j.device))
-                  for old, s in zip(sets, seeds, strict=True)]
-    for h, old, new in zip(handles, sets, fresh_sets, strict=True):
+    fresh_sets = {}
+    for k, (h, old, seed) in enumerate(zip(handles, skeletons, seeds, strict=True)):
+        new = refill(old, j.c.make_inputs(dict(shape), seed + 2 * 7919, j.device))
         for i, (a, b) in enumerate(zip(old, new, strict=True)):
             if a is not b and isinstance(a, torch.Tensor):
                 j.write(h, i, b)
+        if k in samples:
+            fresh_sets[k] = new
     j.w.request({"cmd": "burst_poison"})
     run = j._checked(j.w.request({"cmd": "burst_run", "replays": 1}))
     if "raised" in run:
         j.findings.add("raised", f"candidate raised {run['raised']} {where}")
         j.drop(handles, burst=True)
         return info
-    _check_burst_outputs(j, key, where, handles, sets, fresh_sets, samples)
+    _check_burst_outputs(j, key, where, handles, stale, fresh_sets, samples)
     j.calls += run.get("calls_per_sample", 0)
     j.drop(handles, burst=True)
     return info
 
 
-def _check_burst_outputs(j: Judge, key: str, where: str, handles: list[int], old: list,
-                         new: list, samples: list[int]) -> None:
+def _check_burst_outputs(j: Judge, key: str, where: str, handles: list[int], stale_refs: dict,
+                         new: dict, samples: list[int]) -> None:
     refs = [j.reference(new[k]) for k in samples]
     expect = [j.expect(r) for r in refs]
     j.w.ensure(sum(wire.aligned(t.numel() * t.element_size()) for r in refs for t in r) + 8192)
@@ -204,7 +225,7 @@ def _check_burst_outputs(j: Judge, key: str, where: str, handles: list[int], old
             j.findings.add("burst", f"burst: call {k} returned no well-formed outputs {where}")
             continue
         outs = tuple(o.to(j.device) for o in outs)
-        stale = j.reference(old[k])
+        stale = stale_refs[k]
         if not _same(stale, ref) and _same(outs, stale):
             j.findings.add("burst", f"burst: outputs of replayed calls did not follow new "
                                     f"inputs (cached, not recomputed) {where}")

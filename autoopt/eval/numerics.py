@@ -318,6 +318,25 @@ def router_tie_rows(inputs: tuple, ref_ids: torch.Tensor, cand_ids: torch.Tensor
     return ok, rows
 
 
+def align_tied_slots(ref: tuple, outs: tuple, ok: torch.Tensor) -> tuple[tuple, torch.Tensor]:
+    """Router outputs (weights, ids) with the candidate's tolerated rows that hold the same
+    experts in another slot order put in the reference's order, weights with their ids, so
+    those rows are compared in full; `ok` then marks only the rows whose expert sets differ
+    across a tie, where weights and ids both legitimately differ (the renormalisation sum
+    changes with the set)."""
+    ref_ids, (w, ids) = ref[1], outs[:2]
+    ok = ok.clone()
+    w, ids = w.clone(), ids.clone()
+    for r in torch.nonzero(ok).flatten().tolist():
+        want, got = ref_ids[r].tolist(), ids[r].tolist()
+        if sorted(want) != sorted(got):
+            continue
+        perm = torch.tensor([got.index(e) for e in want], device=ids.device)
+        w[r], ids[r] = w[r][perm], ids[r][perm]
+        ok[r] = False
+    return (w, ids, *outs[2:]), ok
+
+
 def _near(a: float, b: float) -> bool:
     return abs(a - b) <= TIE_ULPS * math.ulp(max(abs(a), abs(b)))
 

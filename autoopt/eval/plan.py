@@ -49,6 +49,9 @@ class Budget:
     burst_sets: int = 12  # distinct input sets in the verification burst
     burst_reps: int = 2
     burst_samples: int = 4  # burst outputs checked
+    # Fewer burst sets (never under two) where the sets would hold more than this: a MoE rank's
+    # inputs are ~9 GiB a set, and the judge holds each set twice (old and refilled data).
+    burst_bytes: int = 8 << 30
     filler: tuple[int, int] = (0, 2)  # extra calls at drawn token counts
     max_tokens: int | None = None  # cap on drawn and long token counts
 

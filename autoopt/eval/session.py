@@ -79,30 +79,40 @@ def run_steps(j: Judge, specs: list, steps: list[tuple], budget: Budget,
     """Execute the steps; returns what the burst reported. WorkerError propagates."""
     cases: dict[int, Case | None] = {}
     last = {}
+    needs_inputs: set[int] = set()  # cases with a later step that calls on their inputs again
     for n, step in enumerate(steps):
         if isinstance(step[1], int):
             last[step[1]] = n
+            if step[0] not in ("first", "recheck"):
+                needs_inputs.add(step[1])
     burst_info: dict[str, Any] = {}
     for n, step in enumerate(steps):
         kind, arg = step
         if kind == "burst":
             seeds = [secret.seed() for _ in range(budget.burst_sets)]
             samples = secret.rng.sample(range(len(seeds)), min(budget.burst_samples, len(seeds)))
-            burst_info = fu.burst(j, arg, seeds, budget.burst_reps, samples)
+            burst_info = fu.burst(j, arg, seeds, budget.burst_reps, samples,
+                                  budget.burst_bytes)
             continue
         if kind == "first":
             shape, seed, edge = specs[arg]
             cases[arg] = case = j.make_case(shape, seed, edge)
             if case is not None:
                 j.first_call(case)
+                if arg not in needs_inputs and last.get(arg) != n and case.handle:
+                    # Only rechecks of its output follow: its inputs (a MoE rank's are ~9 GiB)
+                    # are freed now, in the worker and here; the output stays for the recheck.
+                    j.drop([case.handle], [])
+                    case.handle, case.args = None, ()
         else:
             case = cases.get(arg)
             if case is not None and case.first is not None:
                 _FOLLOW[kind](j, case, secret)
-        if last.get(arg) == n and (case := cases.get(arg)) is not None and case.handle:
-            j.drop([case.handle], [case.out_id] if case.out_id else [])
+        if last.get(arg) == n and (case := cases.get(arg)) is not None and \
+                (case.handle or case.out_id):
+            j.drop([case.handle] if case.handle else [], [case.out_id] if case.out_id else [])
             case.args = case.ref = ()  # free the judge's copies too
-            case.near, case.first = {}, None
+            case.near, case.first, case.alt = {}, None, None
     return burst_info
 
 

@@ -20,7 +20,14 @@ import torch
 
 from . import wire
 from .channel import Worker, WorkerError
-from .numerics import OutputStats, bits_equal, mismatch_count, router_tie_rows, ulp_distance
+from .numerics import (
+    OutputStats,
+    align_tied_slots,
+    bits_equal,
+    mismatch_count,
+    router_tie_rows,
+    ulp_distance,
+)
 
 ALT_OFFSET = 7919  # seed offset of the data that replaces an input
 
@@ -102,6 +109,7 @@ class Case:
     handle: int | None = None
     out_id: int | None = None
     first: tuple | None = None  # the candidate's outputs of its first call (judge copies)
+    alt: tuple | None = None  # other random data for its inputs, drawn once (see alt_args)
 
 
 @dataclass
@@ -144,6 +152,7 @@ class Judge:
         self.palette_set = palette_set  # dtype -> set of poison bit patterns
         self.calls = 0
         self._ids = 0
+        self._alt_case: Case | None = None  # the one case whose `alt` is kept
 
     # ---- cases --------------------------------------------------------------------------------
     def make_case(self, shape: dict, seed: int, edge: Any = None) -> Case | None:
@@ -191,10 +200,17 @@ class Judge:
         return tuple(out)
 
     def alt_args(self, case: Case) -> tuple:
-        """Other random data for the tensor inputs (same shapes); scalars stay."""
-        other = self.c.make_inputs(dict(case.shape), case.seed + ALT_OFFSET, self.device)
-        return tuple(o if isinstance(a, torch.Tensor) and o.shape == a.shape else a
-                     for a, o in zip(case.args, other, strict=True))
+        """Other random data for the tensor inputs (same shapes); scalars stay. Kept for the
+        case that asked last (a follow-up asks once per input, and a MoE rank's inputs are
+        ~9 GiB and take seconds to draw); the callers copy before they write."""
+        if case.alt is None:
+            if self._alt_case is not None:  # one case's alternative kept at a time (memory)
+                self._alt_case.alt = None
+            self._alt_case = case
+            other = self.c.make_inputs(dict(case.shape), case.seed + ALT_OFFSET, self.device)
+            case.alt = tuple(o if isinstance(a, torch.Tensor) and o.shape == a.shape else a
+                             for a, o in zip(case.args, other, strict=True))
+        return case.alt
 
     def reference(self, args: tuple) -> tuple:
         with torch.no_grad():
@@ -358,8 +374,12 @@ class Judge:
         """Fold one call's outputs into the per-shape statistics of `key`."""
         keep = None
         if self.c.name == "router":
+            # Rows whose ids differ only across an FP32 tie: the same experts in another slot
+            # order are compared in the reference's order; a set changed across a tie is not
+            # compared (weights follow the set), in either output.
             ok, rows = router_tie_rows(args, ref[1], outs[1])
             self.router_ties.extend(rows)
+            outs, ok = align_tied_slots(ref, outs, ok)
             keep = (~ok)[:, None].expand_as(ref[1])
         mags: tuple = (None,) * len(ref)
         if getattr(self.c.numerics, "magnitude", None) is not None:
@@ -370,7 +390,7 @@ class Judge:
         for i, (o, r, m) in enumerate(zip(outs, ref, mags, strict=True)):
             self.dtypes.setdefault(i, r.dtype)
             stats = self.stats.setdefault((key, i), OutputStats())
-            out.append(stats.add(o, r, keep if i == 1 else None, m))
+            out.append(stats.add(o, r, keep if i < 2 else None, m))
         return out
 
     def _near(self, case: Case, outs: tuple) -> dict:

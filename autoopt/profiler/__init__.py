@@ -72,7 +72,10 @@ def versions(extra: dict[str, str] | None = None) -> dict[str, str]:
     except ImportError:
         v["triton"] = "not installed"
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=env.REPO_ROOT,
+        # "-dirty" when the tree differs from the commit: numbers from uncommitted code (or a
+        # copy of a tree whose history is older than its files) do not claim a commit.
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7",
+                              "--exclude", "*"], cwd=env.REPO_ROOT,
                              capture_output=True, text=True, timeout=10)
         v["git"] = out.stdout.strip() or "unknown"
     except (OSError, subprocess.TimeoutExpired):

@@ -131,10 +131,21 @@ def expert_weights(e: int, rows: int, cols: int, g, dtype, device, scale: float)
     """[e, rows, cols]: POOL independent normal matrices; expert j >= POOL is matrix j % POOL
     with every row scaled by its own factor in [0.5, 1.5), so no two experts are equal or
     proportional (a kernel that reads the wrong expert is still caught) and E = 256 is cheap."""
-    pool = randn((min(e, POOL), rows, cols), g, torch.float32, "cpu", scale=scale).to(device)
+    if torch.device(device).type == "cuda":
+        # Drawn on the GPU from a seed drawn from `g`: a rank's pool is 300M normals, seconds on
+        # the CPU for every case the judge makes (same seed, same values on the same GPU kind;
+        # they differ from the CPU draw, which nothing compares across devices).
+        dg = torch.Generator(device=device)
+        dg.manual_seed(int(torch.randint(0, 2**62, (1,), generator=g)))
+        pool = torch.randn((min(e, POOL), rows, cols), generator=dg, device=device) * scale
+        row_scale = 0.5 + torch.rand((e, rows, 1), generator=dg, device=device)
+    else:
+        pool = randn((min(e, POOL), rows, cols), g, torch.float32, "cpu", scale=scale).to(device)
+        row_scale = None
     if e <= POOL:
         return pool.to(dtype)
-    row_scale = (0.5 + torch.rand((e, rows, 1), generator=g)).to(device)
+    if row_scale is None:
+        row_scale = (0.5 + torch.rand((e, rows, 1), generator=g)).to(device)
     out = torch.empty((e, rows, cols), dtype=dtype, device=device)
     for j in range(e):
         out[j] = (pool[j % POOL] if j < POOL else pool[j % POOL] * row_scale[j]).to(dtype)
