@@ -189,12 +189,15 @@ def verify(
     timeout: float = typer.Option(300.0, help="Seconds before the candidate's worker is "
                                               "killed."),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    memcheck: bool = typer.Option(False, "--memcheck", help="On a GPU, also run a Triton or "
+                                  "CuTe variant under compute-sanitizer's memcheck (accesses "
+                                  "out of bounds), torch's caching allocator off."),
 ) -> None:
     """Verify a kernel variant against its op's reference (exit 0 verified, 1 rejected)."""
     from .eval.commands import VerifyArgs, verify_command
 
     args = VerifyArgs(op, variant, source, registry, device, seeds, tokens, timeout, json_out,
-                      target, secret)
+                      target, secret, memcheck)
     try:
         code = verify_command(args, console)
     except (ValueError, FileNotFoundError) as exc:

@@ -19,13 +19,15 @@ from model.registry import Record, Registry, Verification, current_arch, writers
 
 
 def verify(op: str, path: Path, device: str, seeds: int, shapes: list[dict] | None = None,
-           timeout_s: float = 600, target: str | None = None) -> dict[str, Any]:
+           timeout_s: float = 600, target: str | None = None,
+           memcheck: bool = False) -> dict[str, Any]:
     """The judge's report on `path` (a dict): `seeds` secret seeds per shape; shapes None: the
-    judge's defaults; `target` sets the GPU widths and token buckets."""
+    judge's defaults; `target` sets the GPU widths and token buckets; `memcheck` adds
+    compute-sanitizer's memcheck on a GPU."""
     from autoopt.eval import verify_variant
 
     return verify_variant(op, path, device=device, seeds=seeds, shapes=shapes,
-                          timeout_s=timeout_s, target=target).to_dict()
+                          timeout_s=timeout_s, target=target, memcheck=memcheck).to_dict()
 
 
 def bench_plan(op: str, device: str, target: str | None = None,

@@ -73,7 +73,7 @@ def _init_worker(threads: int) -> None:
 
 
 def judge_one(item: dict, device: str, target: str | None, seeds: int, max_tokens: int | None,
-              timeout_s: float) -> dict:
+              timeout_s: float, memcheck: bool = False) -> dict:
     from autoopt.eval.plan import Budget
     from autoopt.eval.verify import verify_variant
 
@@ -82,13 +82,14 @@ def judge_one(item: dict, device: str, target: str | None, seeds: int, max_token
     timeout = min(timeout_s, 60.0) if item["name"] == "hangs" else timeout_s
     try:
         rep = verify_variant(item["op"], Path(item["path"]), device=device, target=target,
-                             budget=budget, timeout_s=timeout)
+                             budget=budget, timeout_s=timeout, memcheck=memcheck)
         verdict, reasons, checks = rep.verdict, rep.reasons, rep.checks
         secret, env = rep.secret, rep.env
     except Exception as e:  # noqa: BLE001 - a harness failure is a row, never the end of the run
         verdict, reasons, checks, secret, env = "error", [f"{type(e).__name__}: {e}"], {}, "", {}
     return {**item, "verdict": verdict, "as_expected": verdict == item["expected"],
             "reasons": reasons, "races": checks.get("races", {}).get("status"),
+            "memcheck": checks.get("memcheck", {}).get("status"),
             "floor": checks.get("floor"), "calls": checks.get("behaviour", {}).get("calls"),
             "secret": secret, "env": env, "elapsed_s": round(time.monotonic() - start, 1)}
 
@@ -105,7 +106,7 @@ def run_all(items: list[dict], args: argparse.Namespace, device: str) -> list[di
     with ProcessPoolExecutor(args.jobs, mp_context=ctx, initializer=_init_worker,
                              initargs=(threads,)) as pool:
         futures = {pool.submit(judge_one, i, device, args.target, args.seeds, args.max_tokens,
-                               args.timeout): i for i in order}
+                               args.timeout, args.memcheck): i for i in order}
         for f in as_completed(futures):
             r = f.result() if not f.cancelled() else None
             if r is None:
@@ -188,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=390.0,
                     help="start no new verification after this many seconds")
     ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--memcheck", action="store_true",
+                    help="also run compute-sanitizer's memcheck on Triton/CuTe variants")
     ap.add_argument("--heavy", action="store_true", help=f"also verify {', '.join(HEAVY_OPS)}")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--jobs", type=int, default=5, help="Verifications run in parallel.")
+    p.add_argument("--memcheck", action="store_true",
+                   help="Also run each Triton/CuTe variant under compute-sanitizer's memcheck.")
     p.add_argument("--verify-timeout", type=float, default=600.0,
                    help="Seconds each of the judge's workers may run per verification.")
     p.add_argument("--agent", default="hand-written", help="Provenance for unrecorded variants.")
@@ -97,7 +99,7 @@ def verify_shapes(op: str, device: str, dry: bool) -> list[dict] | None:
 
 def verify_all(jobs: list[tuple[str, str, Path]], device: str, seeds: int, dry: bool,
                workers: int, target: str | None = None, timeout_s: float = 600,
-               done=None) -> dict[tuple[str, str], dict]:
+               done=None, memcheck: bool = False) -> dict[tuple[str, str], dict]:
     """The judge's report per (op, variant); `done(op, name, report)` as each one finishes, so
     a run cut short keeps the verifications that ended."""
     from autoopt.registry_record import verify
@@ -105,7 +107,7 @@ def verify_all(jobs: list[tuple[str, str, Path]], device: str, seeds: int, dry: 
     def one(job):
         op, name, source = job
         return (op, name), verify(op, source, device, seeds, verify_shapes(op, device, dry),
-                                  timeout_s=timeout_s, target=target)
+                                  timeout_s=timeout_s, target=target, memcheck=memcheck)
 
     reports = {}
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
@@ -207,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"verifying {len(jobs)} variants, {args.jobs} at once", flush=True)
     reports = verify_all(jobs, device, seeds, args.dry_run, args.jobs, args.target,
-                         args.verify_timeout, verified)
+                         args.verify_timeout, verified, args.memcheck)
     for op, name in timed_only:  # verified earlier on this arch: only timed now
         rec = reg.read_record(op, name)
         if rec is None or not rec.verified(arch, reg.read_variant(op, name)[0].sha256):

@@ -116,3 +116,16 @@ def test_a_cached_candidate_is_void_when_timed():
                       compile=False)
     assert row.floor_ok is False
     assert any("faster than the floor" in n or n.startswith("timing void") for n in row.notes)
+
+
+def test_memcheck_sees_stores_past_the_output_and_passes_an_honest_kernel():
+    # The cheat's outputs are all right; its extra stores land in the allocator's slack, where
+    # only memcheck (with the caching allocator off in the worker) sees them.
+    cheat = Path(__file__).resolve().parent / "data" / "oob_write_triton.py"
+    rep = verify_variant("swiglu", cheat, device="cuda", target=TARGET, budget=BUDGET,
+                         memcheck=True)
+    assert rep.verdict == "reject" and rep.checks["memcheck"]["status"] == "errors found"
+    assert any(r.startswith("memcheck: compute-sanitizer memcheck found") for r in rep.reasons)
+    honest = _verify("honest_triton_swiglu", memcheck=True)
+    assert honest.verdict == "pass", honest.reasons
+    assert honest.checks["memcheck"]["status"] == "passed", honest.checks["memcheck"]

@@ -235,3 +235,17 @@ def test_judge_record_counts_no_mismatch_for_a_tied_slot_swap_and_catches_a_wron
     nw[other, [0, 7]], nids[other, [0, 7]] = w[other, [7, 0]], ids[other, [7, 0]]
     j.record("k", args, (nw, nids), (w, ids))
     assert j.stats[("k", 1)].mismatches == 2
+
+
+def test_an_infinite_candidate_counts_as_far_off_not_as_an_overflow():
+    # ceil(inf) has no int64: it once became INT64_MIN, whose abs is negative, and the per-ulp
+    # count (bincount) raised. A cache slot left holding inf by a wrong write is judged instead.
+    from autoopt.eval.numerics import ulp_diff_at
+
+    ref = torch.tensor([1.0, -2.0, 0.5, 3.0]).to(torch.bfloat16)
+    cand = torch.tensor([float("inf"), float("-inf"), 0.5, float("nan")]).to(torch.bfloat16)
+    d = ulp_diff_at(cand, ref, torch.zeros(4))
+    assert d[0] > 1000 and d[1] < -1000 and d[2] == 0 and abs(int(d[3])) >= 1 << 20
+    stats = OutputStats()
+    stats.add(cand, ref, magnitude=torch.zeros(4))
+    assert stats.mismatches == 3 and stats.max_ulp > 1000

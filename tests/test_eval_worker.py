@@ -226,3 +226,72 @@ def test_racecheck_runs_the_worker_under_the_sanitizer(tmp_path, monkeypatch, er
     assert out["status"] == status, out
     assert out["summary"]["errors"] == errors
     assert ("reason" in out) == bool(errors)
+
+
+FAKE_MEMCHECK = '''#!/usr/bin/env bash
+# Stands in for compute-sanitizer --tool memcheck: runs the command, then writes its summary.
+log=""; args=(); flags=""
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --log-file) log="$2"; shift 2;;
+    --tool|--print-limit|--report-api-errors) flags="$flags $1 $2"; shift 2;;
+    *) args+=("$1"); shift;;
+  esac
+done
+"${args[@]}"; rc=$?
+echo "========= flags:$flags caching-off:${PYTORCH_NO_CUDA_MEMORY_CACHING:-unset}" >> "$log"
+if [ ERRORS -gt 0 ]; then
+  echo "========= Invalid __global__ write of size 2 bytes" >> "$log"
+fi
+echo "========= ERROR SUMMARY: ERRORS errors" >> "$log"
+exit $rc
+'''
+
+
+@pytest.mark.parametrize("errors,status", [(0, "passed"), (3, "errors found")])
+def test_memcheck_runs_the_worker_under_the_sanitizer_without_the_caching_allocator(
+        tmp_path, monkeypatch, errors, status):
+    from autoopt.eval import races
+    from autoopt.eval.plan import Budget, default_targets, plan_shapes
+    from model.ops import contract
+
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(FAKE_MEMCHECK.replace("ERRORS", str(errors)))
+    fake.chmod(0o755)
+    monkeypatch.setattr(races, "sanitizer_path", lambda: str(fake))
+    text = (Path(__file__).parent / "adversarial" / "honest_triton_swiglu.py").read_bytes()
+    c, s = contract("swiglu"), Secret()
+    plan = plan_shapes(c, "cpu", default_targets("cpu"), None, Budget(), s)
+    out = races.gpu_memcheck(c, text, plan, s, None, "cpu")
+    assert out["status"] == status, out
+    assert out["errors"] == errors
+    assert "--tool memcheck" in out["log_tail"] and "--report-api-errors no" in out["log_tail"]
+    assert "caching-off:1" in out["log_tail"]  # every tensor its own allocation
+    assert ("reason" in out) == bool(errors)
+    if errors:
+        assert "memcheck found 3 errors" in out["reason"] and "Invalid __global__" in out["reason"]
+
+
+def test_memcheck_without_a_summary_is_not_a_pass():
+    from autoopt.eval.races import parse_memcheck
+
+    assert parse_memcheck("========= ERROR SUMMARY: 0 errors\n") == 0
+    assert parse_memcheck("a\n========= ERROR SUMMARY: 1 error\n") == 1
+    assert parse_memcheck("the worker died before the summary") is None
+
+
+def test_memcheck_is_asked_for_and_runs_only_where_it_can_see_something(monkeypatch):
+    from autoopt.eval import races, run
+
+    called = []
+    monkeypatch.setattr(races, "gpu_memcheck", lambda *a: called.append(a) or {"status": "x"})
+    triton_text = b"import triton\n"
+    assert run._memcheck(None, triton_text, None, None, None, "cpu", False, 60)["status"] \
+        .startswith("not checked (no GPU")
+    assert run._memcheck(None, b"import torch\n", None, None, None, "cuda", False, 60)["status"] \
+        .startswith("not needed")
+    assert run._memcheck(None, triton_text, None, None, None, "cuda", True, 60)["status"] \
+        .startswith("not run")
+    assert not called
+    assert run._memcheck(None, triton_text, None, None, None, "cuda", False, 60) == {"status": "x"}
+    assert len(called) == 1

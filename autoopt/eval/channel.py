@@ -60,8 +60,10 @@ class Worker:
     """One worker process. Use as a context manager; `close()` always kills what is left."""
 
     def __init__(self, device: str, *, budget_s: float, mem_limit_bytes: int | None = None,
-                 wrapper: Sequence[str] = (), arena_bytes: int = 16 << 20) -> None:
+                 wrapper: Sequence[str] = (), arena_bytes: int = 16 << 20,
+                 env: dict[str, str] | None = None) -> None:
         self.device = device
+        self.env = dict(env or {})  # set in the worker's environment on top of worker_env's
         self.budget_s = budget_s
         self.mem_limit_bytes = mem_limit_bytes
         self.wrapper = list(wrapper)
@@ -93,7 +95,7 @@ class Worker:
         self._err = open(self.tmp / "stderr.txt", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [*self.wrapper, sys.executable, "-m", "autoopt.eval.worker", path], cwd=self.tmp,
-            env=worker_env(self.device), stdout=self._out, stderr=self._err,
+            env={**worker_env(self.device), **self.env}, stdout=self._out, stderr=self._err,
             stdin=subprocess.DEVNULL, start_new_session=True)
         self._limit()
         try:

@@ -23,6 +23,7 @@ class VerifyArgs:
     json: bool
     target: str | None = None
     secret: str | None = None
+    memcheck: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,8 @@ def verify_command(args: VerifyArgs, console: Console) -> int:
             raise ValueError(f"--secret must be the hex string a report states, not "
                              f"{args.secret!r}") from None
     report = verify_variant(args.op, source, device=device, seeds=len(seeds), shapes=shapes,
-                            timeout_s=args.timeout, target=args.target, secret=args.secret)
+                            timeout_s=args.timeout, target=args.target, secret=args.secret,
+                            memcheck=args.memcheck)
     if args.json:
         print(report.to_json())
     else:

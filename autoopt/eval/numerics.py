@@ -123,7 +123,11 @@ def ulp_diff_at(cand: torch.Tensor, ref: torch.Tensor, magnitude: torch.Tensor) 
     m = torch.maximum(ref.double().abs(), magnitude.to(ref.device).double().abs())
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).clamp_min(info.tiny)
     unit = torch.exp2(torch.floor(torch.log2(m)) - _MANT[ref.dtype])
-    units = torch.ceil((cand.double() - ref.double()).abs() / unit).to(torch.int64)
+    units = torch.ceil((cand.double() - ref.double()).abs() / unit)
+    # An infinite or NaN difference (an inf against a finite value) has no integer: converting
+    # it gives INT64_MIN, whose abs is negative. `base` (finite here) bounds the count anyway.
+    units = torch.where(torch.isnan(units), torch.full_like(units, math.inf), units)
+    units = units.clamp(max=float(2**62)).to(torch.int64)
     scaled = torch.sign(base) * torch.minimum(units, base.abs())
     return torch.where(base.abs() >= NAN_ULP, base, scaled)
 

@@ -1,4 +1,5 @@
-"""Races on the GPU: compute-sanitizer's racecheck on a small shape before a kernel is accepted.
+"""Races on the GPU: compute-sanitizer's racecheck on a small shape before a kernel is accepted;
+and, on request, its memcheck for accesses out of bounds.
 
 racecheck reports shared-memory hazards (Triton's reductions and layout conversions, CuTe's
 explicit shared memory). The candidate runs in a worker started under `compute-sanitizer --tool
@@ -20,6 +21,7 @@ from typing import Any
 SANITIZER_TIMEOUT_S = 600.0
 _SUMMARY = re.compile(r"RACECHECK SUMMARY:\s*(\d+)\s+hazards?\s+displayed\s*"
                       r"\((\d+)\s+errors?,\s*(\d+)\s+warnings?\)")
+_ERRORS = re.compile(r"ERROR SUMMARY:\s*(\d+)\s+errors?")
 
 
 def is_kernel_language(text: bytes) -> bool:
@@ -67,31 +69,35 @@ def _close_and_read(w: Any, log: Path) -> str:
     return log.read_text(errors="replace") if log.is_file() else ""
 
 
-def gpu_racecheck(c: Any, text: bytes, plan: Any, secret: Any, config: dict | None,
-                  device: str, timeout_s: float | None = None) -> dict[str, Any]:
+def _sanitized_calls(tool: str, flags: list[str], env: dict[str, str], label: str, c: Any,
+                     text: bytes, plan: Any, secret: Any, config: dict | None, device: str,
+                     timeout_s: float | None) -> tuple[dict[str, Any], str | None]:
+    """The candidate in a worker under `compute-sanitizer --tool TOOL`, two calls at the plan's
+    smallest bucket with T >= 2: (what to report, the sanitizer's log), the log None when the
+    run could not be made (the report then says why, under "reason")."""
     from .channel import Worker, WorkerError
     from .run import POISON_DTYPES, palette_bits, start_candidate
     from .trials import Judge
 
     exe = sanitizer_path()
     if exe is None:
-        return {"status": "not checked", "reason": "races: compute-sanitizer not found (install "
-                "the CUDA toolkit, or verify with racecheck=False and say so)"}
+        return {"status": "not checked", "reason": f"{label}: compute-sanitizer not found "
+                "(install the CUDA toolkit, or verify without it and say so)"}, None
     shape = min([s for s in plan.buckets if s.get("T", 0) >= 2] or plan.buckets,
                 key=lambda s: c.cost(s).bytes)
-    out: dict[str, Any] = {"tool": "compute-sanitizer --tool racecheck", "shape": shape}
+    out: dict[str, Any] = {"tool": f"compute-sanitizer --tool {tool}", "shape": shape}
     # The verification's own limit bounds this worker too (it is its slowest: every kernel runs
     # under the sanitizer), never more than SANITIZER_TIMEOUT_S.
     limit = SANITIZER_TIMEOUT_S if timeout_s is None else min(SANITIZER_TIMEOUT_S, timeout_s)
-    w = Worker(device, budget_s=limit, wrapper=[])
-    log = w.tmp / "racecheck.log"
-    w.wrapper = [exe, "--tool", "racecheck", "--print-limit", "20", "--log-file", str(log)]
+    w = Worker(device, budget_s=limit, wrapper=[], env=env)
+    log = w.tmp / f"{tool}.log"
+    w.wrapper = [exe, "--tool", tool, *flags, "--print-limit", "20", "--log-file", str(log)]
     try:
         w.start()
         palettes = {dt: secret.palette(dt) for dt in POISON_DTYPES}
         err = start_candidate(w, text, device, config, palettes, secret.seed())
         if err:
-            return {**out, "status": "not checked", "reason": f"races: {err}"}
+            return {**out, "status": "not checked", "reason": f"{label}: {err}"}, None
         j = Judge(c, w, device, palette_bits(palettes))
         for _ in range(2):
             case = j.make_case(shape, secret.seed())
@@ -101,11 +107,21 @@ def gpu_racecheck(c: Any, text: bytes, plan: Any, secret: Any, config: dict | No
     except WorkerError as e:
         log_text = _close_and_read(w, log)
         return {**out, "status": "not checked", "log_tail": log_text[-1500:],
-                "reason": f"races: the racecheck run failed: {e}"}
+                "reason": f"{label}: the {tool} run failed: {e}"}, None
     finally:
         w.close()
+    out["log_tail"] = log_text[-1500:]
+    return out, log_text
+
+
+def gpu_racecheck(c: Any, text: bytes, plan: Any, secret: Any, config: dict | None,
+                  device: str, timeout_s: float | None = None) -> dict[str, Any]:
+    out, log_text = _sanitized_calls("racecheck", [], {}, "races", c, text, plan, secret, config,
+                                     device, timeout_s)
+    if log_text is None:
+        return out
     summary = parse_summary(log_text)
-    out.update(summary=summary, log_tail=log_text[-1500:])
+    out["summary"] = summary
     if not summary:
         return {**out, "status": "not checked",
                 "reason": "races: compute-sanitizer wrote no RACECHECK SUMMARY"}
@@ -113,5 +129,38 @@ def gpu_racecheck(c: Any, text: bytes, plan: Any, secret: Any, config: dict | No
         first = next((ln for ln in log_text.splitlines() if "hazard" in ln.lower()), "")
         return {**out, "status": "races found",
                 "reason": f"races: compute-sanitizer racecheck found {summary['hazards']} "
-                          f"hazards ({summary['errors']} errors) at {shape}: {first.strip()}"}
+                          f"hazards ({summary['errors']} errors) at {out['shape']}: "
+                          f"{first.strip()}"}
+    return {**out, "status": "passed"}
+
+
+def parse_memcheck(log: str) -> int | None:
+    """Errors in a memcheck log's ERROR SUMMARY, or None when it has none."""
+    found = list(_ERRORS.finditer(log))
+    return int(found[-1].group(1)) if found else None
+
+
+def gpu_memcheck(c: Any, text: bytes, plan: Any, secret: Any, config: dict | None,
+                 device: str, timeout_s: float | None = None) -> dict[str, Any]:
+    """The candidate under compute-sanitizer's memcheck, at the racecheck's shape, with torch's
+    caching allocator off in the worker (PYTORCH_NO_CUDA_MEMORY_CACHING=1): every tensor is its
+    own allocation, so a load or store past an input's or output's end is outside any allocation
+    and reported, where with the cache it would land in the allocator's slack unseen. API errors
+    that torch provokes and handles itself are not counted (--report-api-errors no)."""
+    out, log_text = _sanitized_calls("memcheck", ["--report-api-errors", "no"],
+                                     {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}, "memcheck", c,
+                                     text, plan, secret, config, device, timeout_s)
+    if log_text is None:
+        return out
+    errors = parse_memcheck(log_text)
+    out["errors"] = errors
+    if errors is None:
+        return {**out, "status": "not checked",
+                "reason": "memcheck: compute-sanitizer wrote no ERROR SUMMARY"}
+    if errors:
+        first = next((ln for ln in log_text.splitlines()
+                      if "Invalid" in ln or "out of bounds" in ln.lower()), "")
+        return {**out, "status": "errors found",
+                "reason": f"memcheck: compute-sanitizer memcheck found {errors} errors at "
+                          f"{out['shape']}: {first.strip()}"}
     return {**out, "status": "passed"}

@@ -75,7 +75,7 @@ def palette_bits(palettes: dict[torch.dtype, torch.Tensor]) -> dict[torch.dtype,
 
 def judge_candidate(report: Any, c: Any, text: bytes, plan: ShapePlan, budget: Budget,
                     s: Secret, *, config: dict | None, timeout_s: float, time_check: bool,
-                    racecheck: bool | None) -> None:
+                    racecheck: bool | None, memcheck: bool = False) -> None:
     from .verify import CPU_MEM_LIMIT, run_env
 
     device = report.device
@@ -107,7 +107,27 @@ def judge_candidate(report: Any, c: Any, text: bytes, plan: ShapePlan, budget: B
              time.monotonic() - t1)
     if report.checks["races"].get("reason"):
         reasons.append(report.checks["races"]["reason"])
+    if memcheck:
+        report.checks["memcheck"] = _memcheck(c, text, plan, s, config, report.device,
+                                              failed=bool(reasons), timeout_s=timeout_s)
+        log.info("%s: memcheck %s", c.name, report.checks["memcheck"].get("status"))
+        if report.checks["memcheck"].get("reason"):
+            reasons.append(report.checks["memcheck"]["reason"])
     report.reasons = reasons
+
+
+def _memcheck(c: Any, text: bytes, plan: ShapePlan, s: Secret, config: dict | None,
+              device: str, failed: bool, timeout_s: float) -> dict[str, Any]:
+    from .races import gpu_memcheck, is_kernel_language
+
+    if not device.startswith("cuda"):
+        return {"status": "not checked (no GPU; the interpreter ends a worker that reads or "
+                          "writes out of bounds)"}
+    if not is_kernel_language(text):
+        return {"status": "not needed (no Triton or CuTe kernel)"}
+    if failed:
+        return {"status": "not run (already rejected)"}
+    return gpu_memcheck(c, text, plan, s, config, device, timeout_s)
 
 
 def _session(report: Any, c: Any, w: Worker, text: bytes, plan: ShapePlan, budget: Budget,

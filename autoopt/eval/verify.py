@@ -60,7 +60,7 @@ def verify_variant(op: str, source: Path, *, device: str = "cpu",
                    seeds: Sequence[int] | int | None = None, shapes: list[dict] | None = None,
                    config: dict | None = None, timeout_s: float = 300, time_check: bool = True,
                    target: Any = None, budget: Any = None, secret: bytes | str | None = None,
-                   racecheck: bool | None = None) -> VerifyReport:
+                   racecheck: bool | None = None, memcheck: bool = False) -> VerifyReport:
     """Verify the variant file `source` for `op`; never raises for the candidate's faults.
 
     `seeds` gives how many seeds each bucket shape gets (a count, or a sequence whose length
@@ -68,7 +68,8 @@ def verify_variant(op: str, source: Path, *, device: str = "cpu",
     target's bucket shapes (drawn, long and edge-case shapes are always added). `target` (a name,
     a Target or a list) sets the GPU widths and buckets; by default cpu-tiny on CPU and every
     shipped target for the local GPU. `secret` reproduces a reported run. `racecheck` (cuda)
-    defaults to on for Triton and CuTe variants.
+    defaults to on for Triton and CuTe variants. `memcheck` (cuda) also runs a Triton or CuTe
+    variant under compute-sanitizer's memcheck with torch's caching allocator off (races.py).
     """
     from model.ops import contract
 
@@ -102,7 +103,7 @@ def verify_variant(op: str, source: Path, *, device: str = "cpu",
     from .run import judge_candidate
 
     judge_candidate(report, c, text, plan, budget, s, config=config, timeout_s=timeout_s,
-                    time_check=time_check, racecheck=racecheck)
+                    time_check=time_check, racecheck=racecheck, memcheck=memcheck)
     report.secret = s.hex
     report.elapsed_s = time.monotonic() - start
     report.verdict = "pass" if not report.reasons else "reject"
