@@ -209,20 +209,27 @@ exit $rc
 '''
 
 
-@pytest.mark.parametrize("errors,status", [(0, "passed"), (2, "races found")])
-def test_racecheck_runs_the_worker_under_the_sanitizer(tmp_path, monkeypatch, errors, status):
+def _under_fake_sanitizer(tmp_path, monkeypatch, script: str, check: str) -> dict:
+    """races.<check> on the honest Triton swiglu, with `script` standing in for
+    compute-sanitizer."""
     from autoopt.eval import races
     from autoopt.eval.plan import Budget, default_targets, plan_shapes
     from model.ops import contract
 
     fake = tmp_path / "compute-sanitizer"
-    fake.write_text(FAKE_SANITIZER.replace("ERRORS", str(errors)))
+    fake.write_text(script)
     fake.chmod(0o755)
     monkeypatch.setattr(races, "sanitizer_path", lambda: str(fake))
     text = (Path(__file__).parent / "adversarial" / "honest_triton_swiglu.py").read_bytes()
     c, s = contract("swiglu"), Secret()
     plan = plan_shapes(c, "cpu", default_targets("cpu"), None, Budget(), s)
-    out = races.gpu_racecheck(c, text, plan, s, None, "cpu")
+    return getattr(races, check)(c, text, plan, s, None, "cpu")
+
+
+@pytest.mark.parametrize("errors,status", [(0, "passed"), (2, "races found")])
+def test_racecheck_runs_the_worker_under_the_sanitizer(tmp_path, monkeypatch, errors, status):
+    script = FAKE_SANITIZER.replace("ERRORS", str(errors))
+    out = _under_fake_sanitizer(tmp_path, monkeypatch, script, "gpu_racecheck")
     assert out["status"] == status, out
     assert out["summary"]["errors"] == errors
     assert ("reason" in out) == bool(errors)
@@ -251,18 +258,8 @@ exit $rc
 @pytest.mark.parametrize("errors,status", [(0, "passed"), (3, "errors found")])
 def test_memcheck_runs_the_worker_under_the_sanitizer_without_the_caching_allocator(
         tmp_path, monkeypatch, errors, status):
-    from autoopt.eval import races
-    from autoopt.eval.plan import Budget, default_targets, plan_shapes
-    from model.ops import contract
-
-    fake = tmp_path / "compute-sanitizer"
-    fake.write_text(FAKE_MEMCHECK.replace("ERRORS", str(errors)))
-    fake.chmod(0o755)
-    monkeypatch.setattr(races, "sanitizer_path", lambda: str(fake))
-    text = (Path(__file__).parent / "adversarial" / "honest_triton_swiglu.py").read_bytes()
-    c, s = contract("swiglu"), Secret()
-    plan = plan_shapes(c, "cpu", default_targets("cpu"), None, Budget(), s)
-    out = races.gpu_memcheck(c, text, plan, s, None, "cpu")
+    script = FAKE_MEMCHECK.replace("ERRORS", str(errors))
+    out = _under_fake_sanitizer(tmp_path, monkeypatch, script, "gpu_memcheck")
     assert out["status"] == status, out
     assert out["errors"] == errors
     assert "--tool memcheck" in out["log_tail"] and "--report-api-errors no" in out["log_tail"]
