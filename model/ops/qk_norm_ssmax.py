@@ -16,6 +16,8 @@ scaled by tau.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._contract import Cost, Numerics, Shape, gen, norm_weight, randn
@@ -96,7 +98,11 @@ def make_inputs(shape: Shape, seed: int, device="cpu", dtype=torch.bfloat16) -> 
     t, hq, hkv, d = shape["T"], shape["Hq"], shape["Hkv"], shape["D"]
     q = randn((t, hq, d), g, dtype, device, scale=2.0)
     k = randn((t, hkv, d), g, dtype, device, scale=2.0)
-    start = int(torch.randint(0, 1_000_000 - t, (1,), generator=g))
+    # The first position is log-uniform over [0, 1M): a zero-based position shifts tau by
+    # 0.1 / (pos + 2049) relative, a few FP32 ulps (libm's own spread) beyond ~300k but hundreds
+    # near the start, so most draws can tell that near miss from an honest exp/log1p.
+    u = float(torch.rand((1,), generator=g, dtype=torch.float64))
+    start = min(int(math.exp(u * math.log(1_000_000 - t))) - 1, 1_000_000 - t - 1)
     positions = torch.arange(start, start + t, device=device)
     qw, kw = norm_weight(d, g, dtype, device), norm_weight(d, g, dtype, device)
     v = randn((t, hkv, d), g, dtype, device)
