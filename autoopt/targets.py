@@ -137,13 +137,19 @@ class Target:
     def op_shapes(self, batch: int, context: int | None = None,
                   layers: int | None = None) -> dict[str, dict[str, int]]:
         """One call's shape for every op the served step calls at `batch` (attention: a
-        full-attention layer's). Shapes do not depend on the layer count, so the step recorded
-        has only as many layers as hold every layer kind (default)."""
+        full-attention layer's), and for the parts of a composite op it calls (they run inside
+        it until a kernel of the composite is locked). Shapes do not depend on the layer count,
+        so the step recorded has only as many layers as hold every layer kind (default)."""
         shapes: dict[str, dict[str, int]] = {}
         for call in self.step_calls(batch, layers=layers or self.kind_layers(), context=context):
             full_attention = call.name == "attention" and call.shape.get("W") == 0
             if call.name in CONTRACTS and (call.name not in shapes or full_attention):
                 shapes[call.name] = call.shape
+        cfg, shard = self.config(), self.shard
+        for name in list(shapes):
+            for part in CONTRACTS[name].parts:
+                if part not in shapes:
+                    shapes[part] = dict(CONTRACTS[part].shapes_for(cfg, shapes[name]["T"], shard))
         return shapes
 
     def step_calls(self, batch: int, layers: int | None = None,

@@ -11,7 +11,9 @@ measures, at Beam's TP8 rank shapes (H=5120, Hq=6, Hkv=1, D=128, pages of 16):
      kernel at the eager rounding points is far closer to the reference). Every row's pages are
      its own, scattered over the pool, so nothing is served from L2 by sharing.
   2. qkv_gate_proj at T = 1..64: cuBLAS (the reference) and triton_v1 (a small config sweep for
-     T <= 16), against the HBM floor of the weight stream.
+     T <= 16), against the HBM floor of the weight stream; gated_o_proj the same way: the torch
+     gate then cuBLAS (the reference), attn_output_gate/triton_v1 then cuBLAS, and the fused
+     template_splitk_v1.
   3. qk_norm_rope / qk_norm_ssmax with the KV write: the reference and template_rows_v2.
   4. kernels launched by one attention block at bs 1 (qkv_gate_proj .. o_proj, through the
      serving runtime's paged backend), reference ops vs the block's variants.
@@ -68,6 +70,8 @@ DRY_SWEEP = [{"SPLITS": 0, "BLOCK_N": 16, "MIN_BLOCKS": 1, "GROUP": 2, "num_warp
              {"SPLITS": 1, "BLOCK_N": 32, "MIN_BLOCKS": 1, "GROUP": 8, "num_warps": 4}]
 QKV_SWEEP = [{"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": s, "num_warps": 4}
              for n in (16, 32) for k in (256, 512) for s in (1, 2, 4)]
+GATED_SWEEP = [{"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": s, "num_warps": 4}
+               for n in (16, 32) for k in (128, 256) for s in (1, 2, 3)]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -265,9 +269,14 @@ def best_configs(rows: list[dict]) -> dict:
 
 
 # ---- qkv_gate_proj and the Q/K norms ------------------------------------------------------------
-def qkv_rows(s, device, bw: float) -> list[dict]:
-    c = contract("qkv_gate_proj")
-    mod = Registry().load_variant("qkv_gate_proj", "triton_v1")
+def gemm_rows(op: str, variant: str, s, device, bw: float, sweep: list[dict],
+              extra: dict | None = None) -> list[dict]:
+    """A GEMM-shaped op at T = s.tokens: the reference, `extra` callables (label -> fn) and the
+    variant (its best config of `sweep` where its GEMV path runs), against the HBM floor."""
+    c = contract(op)
+    mod = Registry().load_variant(op, variant)
+    flat = (lambda out: torch.cat([o.flatten() for o in out]) if isinstance(out, tuple)
+            else out.flatten())
     rows = []
     for t in s.tokens:
         shape = {"T": t, "H": s.H, "Hq": s.Hq, "Hkv": s.Hkv, "D": s.D}
@@ -275,19 +284,32 @@ def qkv_rows(s, device, bw: float) -> list[dict]:
         ref = c.reference(*args)
         row = {"T": t, "floor_us": c.cost(shape).bytes / bw * 1e6,
                "torch_us": timed(lambda a=args: c.reference(*a), device)}
-        sweep = QKV_SWEEP if t <= mod.GEMV_MAX_TOKENS and device.type == "cuda" else [None]
+        for label, fn in (extra or {}).items():
+            row[f"{label}_us"] = timed(lambda a=args, fn=fn: fn(*a), device)
+        configs = sweep if t <= mod.GEMV_MAX_TOKENS and device.type == "cuda" else [None]
         best = None
-        for cfg in sweep:
+        for cfg in configs:
             us = timed(lambda a=args, cfg=cfg: mod.run(*a, config=cfg), device)
             if best is None or us < best[0]:
                 best = (us, cfg)
         got = mod.run(*args, config=best[1])
         row.update(triton_us=best[0], config=best[1],
-                   **compare(torch.cat([g.flatten() for g in got]),
-                             torch.cat([r.flatten() for r in ref]), None,
-                             torch.cat([m.flatten() for m in c.numerics.magnitude(*args)])))
+                   **compare(flat(got), flat(ref), None, flat(c.numerics.magnitude(*args))))
         rows.append(row)
     return rows
+
+
+def qkv_rows(s, device, bw: float) -> list[dict]:
+    return gemm_rows("qkv_gate_proj", "triton_v1", s, device, bw, QKV_SWEEP)
+
+
+def gated_rows(s, device, bw: float) -> list[dict]:
+    """gated_o_proj: the reference (torch gate, cuBLAS), the locked gate kernel then cuBLAS (what
+    the tuned set runs without a fused variant) and the fused template."""
+    gate = Registry().load_variant("attn_output_gate", "triton_v1").run
+    composed = contract("gated_o_proj").compose({"attn_output_gate": gate})
+    return gemm_rows("gated_o_proj", "template_splitk_v1", s, device, bw, GATED_SWEEP,
+                     {"gate_kernel_cublas": composed})
 
 
 def qk_norm_rows(s, device) -> list[dict]:
@@ -318,7 +340,8 @@ def block_ops() -> OpTable:
                     "qk_norm_rope": reg.load_variant("qk_norm_rope", "template_rows_v2").run,
                     "qk_norm_ssmax": reg.load_variant("qk_norm_ssmax", "template_rows_v2").run,
                     "attention": reg.load_variant("attention", "triton_v1").run,
-                    "attn_output_gate": reg.load_variant("attn_output_gate", "triton_v1").run})
+                    "attn_output_gate": reg.load_variant("attn_output_gate", "triton_v1").run,
+                    "gated_o_proj": reg.load_variant("gated_o_proj", "template_splitk_v1").run})
 
 
 def block_kernels(s, device) -> dict:
@@ -408,6 +431,12 @@ def block_markdown(res: dict) -> list[str]:
            "| T | floor | cuBLAS | triton_v1 | max ulp | config |", "|---|---|---|---|---|---|"]
     out += [f"| {r['T']} | {r['floor_us']:.1f} | {r['torch_us']:.1f} | {r['triton_us']:.1f} | "
             f"{r['max_ulp']} | {r['config']} |" for r in res["qkv"]]
+    out += ["", "gated_o_proj (µs; the output gate and o_proj; floor: the weight stream):", "",
+            "| T | floor | torch gate + cuBLAS | gate kernel + cuBLAS | template_splitk_v1 | "
+            "max ulp | config |", "|---|---|---|---|---|---|---|"]
+    out += [f"| {r['T']} | {r['floor_us']:.1f} | {r['torch_us']:.1f} | "
+            f"{r['gate_kernel_cublas_us']:.1f} | {r['triton_us']:.1f} | {r['max_ulp']} | "
+            f"{r['config']} |" for r in res.get("gated_o_proj", [])]
     out += ["", "Q/K norm with the KV write (µs):", "",
             "| op | T | torch | template_rows_v2 | q max ulp | k max ulp | v bitwise |",
             "|---|---|---|---|---|---|---|"]
@@ -439,6 +468,7 @@ def measure(args, device, t0: float) -> dict:
     res["env"]["copy_bytes_per_s"] = bw
     res["kernels_per_block"] = block_kernels(s, device)
     res["qkv"] = qkv_rows(s, device, bw)
+    res["gated_o_proj"] = gated_rows(s, device, bw)
     res["qk_norm"] = qk_norm_rows(s, device)
     res["attention"], notes = attention_rows(s, device, args, t0)
     res["notes"] += notes

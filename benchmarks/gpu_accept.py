@@ -7,9 +7,11 @@ For every op, the candidates whose record passed verification on `--arch` for th
 now, and whose timing rows on that arch's GPU beat the reference (geometric mean of x reference
 over the rows above 1), compete with the variant the lock selects now (its rows from the same
 run): the fastest by that geometric mean is accepted (`writers.accept`, which locks it) when it
-beats the current selection. Nothing is accepted on evidence from another arch or another run's
-GPU. `--before-lock` first writes a lock file of the selection as it was (the lock's entries for
-`--arch`, plus `--before OP=VARIANT` pins of verified candidates), for `bench model`'s "before"
+beats the current selection. A composite op without a variant of its own (gated_o_proj) is served
+as its locked parts' composition: a candidate must also beat that (`x_selection`, which
+`gpu_kernels.py` times beside it). Nothing is accepted on evidence from another arch or another
+run's GPU. `--before-lock` first writes a lock file of the selection as it was (the lock's entries
+for `--arch`, plus `--before OP=VARIANT` pins of verified candidates), for `bench model`'s "before"
 kernel set. Prints one line per op saying what it did and why.
 """
 
@@ -23,10 +25,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model.registry import Registry, RegistryError, writers  # noqa: E402
+from model.registry.composite import composed_selection  # noqa: E402
 
 
-def geomean_x_reference(rec, gpu: str | None) -> float | None:
-    xs = [b.row.get("x_reference") for b in rec.benchmarks
+def geomean_x_reference(rec, gpu: str | None, key: str = "x_reference") -> float | None:
+    xs = [b.row.get(key) for b in rec.benchmarks
           if b.row.get("meaningful") and (gpu is None or b.row.get("gpu") == gpu)]
     xs = [x for x in xs if isinstance(x, (int, float)) and x > 0]
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
@@ -64,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     for op in reg.ops():
         best: tuple[float, str] | None = None
         current = selected.get(op)
+        # A composite op without a variant is served as its locked parts' composition.
+        composed = composed_selection(reg, op, args.arch, args.gpu or "*", [])
         cur_x = None
         for name in reg.names(op):
             rec = reg.read_record(op, name)
@@ -78,6 +83,13 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             if rec.status != "candidate" or x is None or x <= 1.0:
                 continue
+            if composed is not None:
+                x_sel = geomean_x_reference(rec, args.gpu, "x_selection")
+                if x_sel is None or x_sel <= 1.0:
+                    print(f"{op}: {name} not accepted: x{x:.2f} over the reference, but "
+                          + (f"x{x_sel:.2f} over {composed.label}" if x_sel is not None else
+                             f"never timed against {composed.label}") + ", what it replaces")
+                    continue
             if best is None or x > best[0]:
                 best = (x, name)
         if best is None:

@@ -130,9 +130,38 @@ def bench(op: str, source: Path, plan: list[tuple[str, dict]], device: str, args
     from autoopt.registry_record import bench as bench_rows
 
     dry = args.dry_run
-    return bench_rows(op, source, plan, device, warmup=1 if dry else args.warmup,
+    rows = bench_rows(op, source, plan, device, warmup=1 if dry else args.warmup,
                       iters=2 if dry else args.iters, compile=not (dry or args.no_compile),
                       timeout_s=900)
+    return with_selection(op, rows, plan, device, args)
+
+
+def with_selection(op: str, rows: list[dict], plan: list[tuple[str, dict]], device: str,
+                   args) -> list[dict]:
+    """A composite op without a variant of its own is served as the composition of its locked
+    parts: time that module at each shape (its part's config per bucket) and put it beside the
+    candidate's rows (selection_us, x_selection), the bar `gpu_accept.py` holds it to."""
+    from autoopt.eval import bench_op
+    from model.registry import Registry, current_arch, gpu_name
+    from model.registry.composite import composed_selection
+
+    shapes = [s for _, s in plan]
+    sel = composed_selection(Registry(args.registry), op, current_arch(device),
+                             gpu_name(device) if device != "cpu" else "cpu", shapes)
+    if sel is None or not rows:
+        return rows
+    path = args.out / "composed" / f"{op}.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(sel.source)
+    dry = args.dry_run
+    for row in rows:
+        shape = row["shape"]
+        (base,) = bench_op(op, path, [shape], device, warmup=1 if dry else args.warmup,
+                           iters=2 if dry else args.iters, compile=False, timeout_s=900,
+                           config=sel.per_bucket.get(f"T={int(shape['T'])}"))
+        row.update(selection=sel.label, selection_us=base.median_us,
+                   x_selection=base.median_us / row["median_us"])
+    return rows
 
 
 def out_registry(reg, out: Path, op: str, name: str):

@@ -5,7 +5,7 @@ Per layer (L 0-based, 52 layers, hidden H=5120, Hq=48 query / Hkv=8 KV heads of 
     q,k,v,g      = qkv_gate_proj(x)                 # one packed GEMM
     q            = qk_norm_rope | qk_norm_ssmax     # sliding-window (RoPE) / full (NoPE + SSMax),
                                                     # both also write K and V into the KV cache
-    o            = attention(q, the cache) -> attn_output_gate(o, g, bias) -> o_proj
+    o            = gated_o_proj(attention(q, the cache), g, bias, o_proj)  # gate, then o_proj
     x, h         = norm_residual_norm(o, h, post_attn, pre_ff, 2(L+1))
     m            = dense SwiGLU MLP (L < 3) | router + moe_experts (256 experts, top-8)
     x, h         = norm_residual_norm(m, h, post_ff, next input norm or final norm, 2(L+1)+1)
@@ -233,7 +233,6 @@ class BeamForCausalLM(nn.Module):
 
     def attention_block(self, i, layer, x, positions, cos, sin, batch) -> torch.Tensor:
         cfg, ops, shard = self.config, self.ops, self.shard
-        t = x.shape[0]
         q, k, v, g = ops.qkv_gate_proj(
             x, layer.qkv_gate_weight, shard.num_attention_heads, shard.num_key_value_heads
         )  # q,g [T,Hq,D]; k,v [T,Hkv,D]
@@ -246,9 +245,9 @@ class BeamForCausalLM(nn.Module):
             q = ops.qk_norm_ssmax(q, k, v, layer.q_norm, layer.k_norm, positions, eps,
                                   k_cache, v_cache, slots)[0]
         o = backend(i, q, cfg.window(i) or 0, cfg.head_dim**-0.5, batch)  # reads the cache
-        o = ops.attn_output_gate(o, g, layer.gate_bias)  # [T, Hq, D]
-        with region("o_proj"):
-            return F.linear(o.reshape(t, -1), layer.o_proj)  # [T, H], a rank partial under TP
+        # The gate and o_proj: [T, H], a rank partial under TP (one kernel where a variant fuses
+        # them; otherwise the table's attn_output_gate, then the library GEMM).
+        return ops.gated_o_proj(o, g, layer.gate_bias, layer.o_proj)
 
     def mlp_block(self, layer: BeamLayer, x: torch.Tensor) -> torch.Tensor:
         cfg, ops = self.config, self.ops

@@ -33,6 +33,8 @@ def test_dry_run_writes_every_section(tmp_path, capsys):
             assert row[impl]["vs_near"] > 0  # and the fp32_probs near miss is told apart
     assert [r["T"] for r in res["qkv"]] == [1, 3, 17]
     assert all(r["max_ulp"] <= 1 for r in res["qkv"])
+    assert [r["T"] for r in res["gated_o_proj"]] == [1, 3, 17]
+    assert all(r["max_ulp"] <= 1 and r["gate_kernel_cublas_us"] > 0 for r in res["gated_o_proj"])
     assert {r["op"] for r in res["qk_norm"]} == {"qk_norm_rope", "qk_norm_ssmax"}
     assert all(r["v_cache_bitwise"] for r in res["qk_norm"])
     md = (tmp_path / "attention_gpu.md").read_text()

@@ -24,7 +24,8 @@ def variants():
     reg = Registry()
     return {(op, name): reg.load_variant(op, name) for op, name in (
         ("attention", "triton_v1"), ("qkv_gate_proj", "triton_v1"),
-        ("qk_norm_rope", "template_rows_v2"), ("qk_norm_ssmax", "template_rows_v2"))}
+        ("qk_norm_rope", "template_rows_v2"), ("qk_norm_ssmax", "template_rows_v2"),
+        ("gated_o_proj", "template_splitk_v1"))}
 
 
 def _verify(op: str, run, shapes: list[dict], config: dict | None = None, seeds=(0,)):
@@ -90,6 +91,40 @@ def test_qkv_gate_proj_triton_v1_passes_the_harness(variants, config):
     reasons, _ = _verify("qkv_gate_proj", variants["qkv_gate_proj", "triton_v1"].run, shapes,
                          config)
     assert reasons == [], reasons
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [{"SPLIT_K": 1, "BLOCK_N": 16, "BLOCK_K": 64},
+                                    {"SPLIT_K": 3, "BLOCK_N": 32, "BLOCK_K": 32}])
+def test_gated_o_proj_template_passes_the_harness(variants, config):
+    # 1 and 5 tokens through the gated GEMV (K = 6 heads x 16 in splits of whole and partial
+    # heads), 17 through the gate kernel and the library GEMM.
+    shapes = [{"T": t, "Hq": 6, "D": 16, "H": 80} for t in (1, 5, 17)]
+    reasons, _ = _verify("gated_o_proj", variants["gated_o_proj", "template_splitk_v1"].run,
+                         shapes, config)
+    assert reasons == [], reasons
+
+
+@pytest.mark.parametrize("t", [2, 19])
+def test_gated_o_proj_reads_heads_major_attention(variants, t):
+    # Attention may hand back [T, Hq, D] with the heads outermost in memory: the same values in
+    # another layout give the same bits, on both paths.
+    c = contract("gated_o_proj")
+    attn, gate, bias, w = c.make_inputs({"T": t, "Hq": 3, "D": 32, "H": 48}, 5)
+    heads_major = attn.transpose(0, 1).contiguous().transpose(0, 1)
+    gate_slice = torch.cat([gate, gate], dim=-1)[..., :32]  # a column slice, as from the GEMM
+    run = variants["gated_o_proj", "template_splitk_v1"].run
+    want = run(attn, gate, bias, w)
+    assert torch.equal(run(heads_major, gate_slice, bias, w), want)
+    assert (want.float() - c.reference(attn, gate, bias, w).float()).abs().max() < 0.05
+
+
+def test_the_verifier_rejects_a_gate_left_in_fp32_before_the_gemm():
+    c = contract("gated_o_proj")
+    shapes = [{"T": t, "Hq": 6, "D": 16, "H": 80} for t in (1, 5)]
+    reasons, _ = _verify("gated_o_proj", lambda *a, config=None:
+                         c.numerics.near_misses["unrounded_gated"](*a), shapes)
+    assert any("unrounded_gated" in r for r in reasons), reasons
 
 
 def test_qkv_gate_proj_outputs_are_views_of_one_gemm(variants):

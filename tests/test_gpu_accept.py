@@ -66,3 +66,37 @@ def test_a_locked_variant_is_kept_when_no_candidate_beats_it(tmp_path, capsys):
     assert "swiglu: keep fast_v1" in capsys.readouterr().out
     assert reg.read_lock().section(ARCH)["swiglu"].variant == "fast_v1"
     assert reg.read_record("swiglu", "slow_v1").status == "candidate"
+
+
+def test_a_fused_composite_must_beat_the_composition_of_its_locked_parts(tmp_path, capsys):
+    # gated_o_proj has no variant of its own but the gate is locked: serving runs the gate kernel
+    # then cuBLAS, so a fused candidate faster than the reference is accepted only if it is also
+    # faster than that composition (x_selection, timed beside it by gpu_kernels.py).
+    from tests.registry_support import lock_shipped
+
+    reg = lock_shipped(tmp_path / "reg", "attn_output_gate", "triton_v1", ARCH)
+    shipped = Registry().variant_path("gated_o_proj", "template_splitk_v1").read_text()
+
+    def fused(name: str, x_ref: tuple[float, ...], x_sel: tuple[float, ...] | None) -> None:
+        write_variant(reg, "gated_o_proj", name, shipped + f"# {name}\n")
+        path = reg.variant_path("gated_o_proj", name)
+        timing = rows(*x_ref)
+        if x_sel is not None:
+            for row, x in zip(timing, x_sel, strict=True):
+                row.update(x_selection=x, selection="composed")
+        writers.record(reg, "gated_o_proj", name,
+                       [Verification(ARCH, "pass", sha256(path), "cuda", report={"seeds": [0]})],
+                       timing)
+
+    fused("slower_than_composed_v1", (1.6, 1.8), (0.8, 0.9))
+    fused("never_timed_against_it_v1", (3.0, 3.0), None)
+    assert script().main(["--registry", str(reg.root)]) == 0
+    out = capsys.readouterr().out
+    assert "slower_than_composed_v1 not accepted: x1.70 over the reference, but x0.85 over " \
+           "composed: attn_output_gate/triton_v1 + library" in out
+    assert "never_timed_against_it_v1 not accepted" in out and "never timed against" in out
+    assert "gated_o_proj" not in reg.read_lock().section(ARCH)
+    fused("faster_than_both_v1", (2.0, 2.2), (1.2, 1.3))
+    assert script().main(["--registry", str(reg.root)]) == 0
+    assert "gated_o_proj: accepted and locked faster_than_both_v1" in capsys.readouterr().out
+    assert reg.read_lock().section(ARCH)["gated_o_proj"].variant == "faster_than_both_v1"

@@ -73,3 +73,24 @@ def test_bench_only_refuses_a_variant_without_a_passing_verification_here(tmp_pa
                         "attention/flashinfer_v1", "--out", str(tmp_path)])
     assert code == 2
     assert "verify it instead" in capsys.readouterr().err
+
+
+def test_a_composite_is_timed_beside_the_composition_of_its_locked_parts(tmp_path):
+    from types import SimpleNamespace
+
+    from tests.registry_support import lock_shipped
+
+    reg = lock_shipped(tmp_path / "reg", "attn_output_gate", "triton_v1", "cpu")
+    args = SimpleNamespace(registry=reg.root, out=tmp_path / "out", dry_run=True, warmup=1,
+                           iters=2)
+    plan = [("cpu-tiny", {"T": t, "Hq": 2, "D": 32, "H": 16}) for t in (1, 3)]
+    rows = [{"shape": dict(s), "median_us": 10.0} for _, s in plan]
+    got = load_script().with_selection("gated_o_proj", rows, plan, "cpu", args)
+    assert [r["selection"] for r in got] == ["composed: attn_output_gate/triton_v1 + library"] * 2
+    assert all(r["selection_us"] > 0 and r["x_selection"] == r["selection_us"] / 10.0
+               for r in got)
+    assert (args.out / "composed" / "gated_o_proj.py").is_file()
+    # Any other op, or no locked part: the rows are left as they were.
+    plain = [{"shape": {"T": 1, "H": 16}, "median_us": 1.0}]
+    assert load_script().with_selection("rmsnorm", plain, [("-", {"T": 1, "H": 16})], "cpu",
+                                        args) == [{"shape": {"T": 1, "H": 16}, "median_us": 1.0}]

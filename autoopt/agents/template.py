@@ -148,6 +148,13 @@ CATALOG: dict[str, tuple[TemplateSpec, ...]] = {
         "bias add, sigmoid and product with their three roundings in registers, in tiles of "
         "several tokens so a decode batch needs few programs. " + _LAUNCH,
         "one kernel instead of three; near the HBM floor for large T"),),
+    "gated_o_proj": (TemplateSpec(
+        "gated_o_proj", "splitk", "gated_o_proj__splitk.py",
+        "the output gate's three roundings computed in the prologue of a split-K GEMV over the "
+        "o_proj weight: the gated activation never goes through memory and the block loses the "
+        "gate's launch; at decode the GEMV streams the weight over all SMs.",
+        "one launch instead of two (four with the reference gate), near the HBM floor of the "
+        "weight for T <= 16; one gate launch and the library GEMM above"),),
     "swiglu": (TemplateSpec(
         "swiglu", "tiles", "swiglu__tiles.py",
         "silu and product in FP32 registers with one rounding, in token x column tiles tuned "

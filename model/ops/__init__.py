@@ -15,6 +15,7 @@ from . import (
     allreduce_norm_residual_norm,
     attention,
     attn_output_gate,
+    gated_o_proj,
     logit_softcap,
     moe_experts,
     norm_residual_norm,
@@ -35,6 +36,7 @@ _MODULES = (
     qk_norm_ssmax,
     attention,
     attn_output_gate,
+    gated_o_proj,
     router,
     moe_experts,
     swiglu,
@@ -96,17 +98,29 @@ class OpTable:
 
     Attribute access (`table.rmsnorm`) returns the selected callable, wrapped in an NVTX range
     named after the op when profiling is on. `sources[name]` says where it came from
-    ("reference" or "<variant> (<registry>)").
+    ("reference" or "<variant> (<registry>)"). A composite op without a variant of its own
+    (source "reference") is composed from this table's implementations of its parts.
     """
 
     def __init__(self, impls: Mapping[str, Callable] | None = None,
                  sources: Mapping[str, str] | None = None) -> None:
         self._impls = {name: c.reference for name, c in CONTRACTS.items()}
         self.sources = {name: "reference" for name in CONTRACTS}
+        given = set()
         for name, fn in (impls or {}).items():
             contract(name)
+            if getattr(fn, "_composed", False):
+                continue  # a composite copied from another table: composed again below
             self._impls[name] = fn
             self.sources[name] = (sources or {}).get(name, getattr(fn, "__module__", "custom"))
+            given.add(name)
+        for name, c in CONTRACTS.items():
+            if c.compose is not None and name not in given:
+                # No variant for the composite: build it from this table's parts, so a selected
+                # kernel of a part keeps running inside it.
+                fn = c.compose({p: self._impls[p] for p in c.parts})
+                fn._composed = True
+                self._impls[name] = fn
 
     def __getattr__(self, name: str) -> Callable:
         impls = self.__dict__.get("_impls")

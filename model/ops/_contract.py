@@ -4,7 +4,10 @@ An op module (`model/ops/<op>.py`) exposes module-level names that `OpContract.f
 collects: `NAME`, `reference`, `make_inputs`, `AXES`, `NUMERICS`, `cost`, `SIGNATURE` and
 `shapes_for` (the shapes a config/target gives the op), and optionally `INPLACE` (outputs that
 are inputs updated in place, such as the KV cache the Q/K norm ops write: output index -> the
-argument's name; the verifier compares them as outputs and requires them to be those inputs).
+argument's name; the verifier compares them as outputs and requires them to be those inputs),
+and `PARTS` with `compose(parts)` for a composite op (a fusion of other ops: while no variant is
+selected for it, the op table builds it from its implementations of PARTS, so a selected kernel
+of a part keeps running; `reference` is the composition of the parts' references).
 The model, the verifier, the benchmarks and the agents all read the same module, so there is
 exactly one reference per operation.
 
@@ -22,6 +25,11 @@ Test shapes (what the verifier runs; see `TestShapes`). An op module declares:
     EDGE_SCALES   optional: {case name: {argument index: power-of-two factor}}: floating inputs
                   scaled to extreme magnitudes where the reference is still finite and defined
                   (a dropped eps shows at tiny inputs, an overflowing square at huge ones).
+    EDGE_SHAPES   optional: {case name: {shape key: value}}: cases at the small bucket's shape
+                  with these keys set (or added) that `make_inputs` reads: every value of a
+                  small scalar domain (norm_residual_norm's depth index 2..105), or a layout the
+                  served model uses but plain draws never make (moe_experts under expert
+                  parallelism: ids of experts held by other ranks and a nonzero offset).
     test_shapes   optional: test_shapes(cfg, shard, tokens, kind) -> [shape, ...] overriding the
                   default (`default_test_shapes`): one shape from CPU_DIMS on "cpu", the op's
                   `shapes_for` at the target's config and shard on "gpu".
@@ -117,6 +125,7 @@ class TestShapes:
     edge_scales: Mapping[str, Mapping[int, float]]
     shapes: Callable[..., list[dict[str, int]]]
     free_dims: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    edge_shapes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for kind in KINDS:
@@ -139,9 +148,11 @@ class TestShapes:
         return out
 
     def edge_cases(self, shape: Shape) -> list[EdgeCase]:
-        """Zero rows at `shape`, and every declared magnitude case at `shape`."""
+        """Zero rows at `shape`, every declared magnitude case at `shape`, and every declared
+        shape case (`shape` with its keys overridden)."""
         cases = [EdgeCase("zero_rows", {**shape, "T": 0})]
         cases += [EdgeCase(name, dict(shape), dict(sc)) for name, sc in self.edge_scales.items()]
+        cases += [EdgeCase(name, {**shape, **over}) for name, over in self.edge_shapes.items()]
         return cases
 
 
@@ -172,6 +183,10 @@ class OpContract:
     module: ModuleType
     tests: TestShapes = field(default=None)  # type: ignore[assignment]  # set by from_module
     inplace: Mapping[int, str] = field(default_factory=dict)
+    # A composite op (one boundary over other ops): the ops it is made of, and how the op table
+    # builds it from its implementations of them while no variant is selected for it.
+    parts: tuple[str, ...] = ()
+    compose: Callable[[Mapping[str, Callable]], Callable] | None = None
 
     @property
     def token_dim(self) -> int:
@@ -199,8 +214,11 @@ class OpContract:
                 edge_scales=dict(getattr(module, "EDGE_SCALES", {})),
                 shapes=getattr(module, "test_shapes", None) or default_test_shapes(module),
                 free_dims=dict(getattr(module, "FREE_DIMS", {})),
+                edge_shapes=dict(getattr(module, "EDGE_SHAPES", {})),
             ),
             inplace=dict(getattr(module, "INPLACE", {})),
+            parts=tuple(getattr(module, "PARTS", ())),
+            compose=getattr(module, "compose", None),
         )
 
 
