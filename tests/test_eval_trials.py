@@ -105,6 +105,29 @@ def test_every_visible_near_miss_is_rejected_by_name(op):
         assert any(f"closer to near miss {name!r}" in r for r in reasons), (name, reasons)
 
 
+def test_a_near_miss_inside_the_candidates_own_error_is_no_verdict():
+    from types import SimpleNamespace
+
+    def judged(cand_ref: int, cand_near: int, near_ref: int) -> str:
+        d = {"cand_ref": cand_ref, "cand_near": cand_near, "near_ref": near_ref,
+             "cand_ref_ulps": cand_ref, "cand_near_ulps": cand_near, "near_ref_ulps": near_ref,
+             "trials": 1}
+        reasons, table = judge_near_misses(SimpleNamespace(near={("T=3", "nm"): d}))
+        status = table["by_name"]["nm"]["status"]
+        assert bool(reasons) == (status == "closer to the near miss")
+        return status
+
+    assert judged(0, 40, 40) == "closer to the reference"
+    assert judged(40, 0, 40) == "closer to the near miss"  # the near miss itself
+    assert judged(38, 3, 40) == "closer to the near miss"  # the near miss, a little noise
+    assert judged(17, 17, 40) == "closer to the near miss"  # halfway on informative inputs
+    # Tiny router inputs: every score near 0.5, the BF16-logit near miss 2 ulps from the
+    # reference and the candidate's own FP32 order 17 or 22 ulps: no verdict either way.
+    assert judged(17, 17, 2) == judged(22, 21, 4) == \
+        "not distinguishable from the candidate's own error on these inputs"
+    assert judged(5, 5, 0) == "not distinguishable on these inputs"
+
+
 def _swiglu(gate, up):
     return (torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype)
 
@@ -313,6 +336,28 @@ def test_some_inputs_arrive_as_row_padded_views_and_must_be_honoured():
         return _swiglu(flat.view(gate.shape), up)
 
     assert session("swiglu", ignores_strides)[0]
+
+
+def test_some_inputs_arrive_as_the_first_rows_of_a_larger_allocation():
+    # Serving's CUDA graphs slice ids, positions, slots and page tables out of buffers sized for
+    # the largest batch: a tensor whose allocation is far larger than itself must not be a sign.
+    seen = []
+
+    def record(gate, up):
+        seen.append(gate.untyped_storage().nbytes() // gate.element_size() - gate.numel())
+        return _swiglu(gate, up)
+
+    assert session("swiglu", record)[0] == []
+    extra = [e for e in seen if e > 0]
+    assert extra and any(e == 0 for e in seen)
+    assert any(e >= 63 * 8 for e in extra)  # 63 or 511 more rows at least once
+
+    def static_buffer_is_served(gate, up):  # exact unless its allocation is 4x its size or more
+        out = _swiglu(gate, up)
+        big = gate.untyped_storage().nbytes() >= 4 * gate.numel() * gate.element_size()
+        return out * 2 if big else out
+
+    assert session("swiglu", static_buffer_is_served)[0]
 
 
 def _session_with_burst(op: str, run, budget: Budget) -> tuple[list[str], dict]:

@@ -231,6 +231,46 @@ def _differ(a, b) -> int:
     return sum(int((x != y).sum()) for x, y in zip(a, b))
 
 
+@pytest.mark.parametrize("t", TOKENS)
+def test_gated_o_proj(t):
+    c = CONTRACTS["gated_o_proj"]
+    attn, gate, bias, w = c.make_inputs(c.shapes_for(CFG, t), 14)
+    g2 = (gate.double() + bias.double()[None, :, None]).to(BF)
+    a = (attn.double() * torch.sigmoid(g2.double()).to(BF).double()).to(BF)
+    want = (a.reshape(t, -1).double() @ w.double().T).to(BF)
+    _close_bf16(c.reference(attn, gate, bias, w), want, frac=0.02)
+
+
+def test_composite_op_is_composed_from_the_tables_parts():
+    from model.ops import OpTable
+
+    c = CONTRACTS["gated_o_proj"]
+    args = c.make_inputs(c.shapes_for(CFG, 5), 3)
+    # With every op at its reference the composition is the contract's reference, bitwise.
+    assert torch.equal(OpTable().gated_o_proj(*args), c.reference(*args))
+    calls = []
+
+    def gate(attn, g, bias):  # a stand-in for a selected gate kernel
+        calls.append(attn.shape)
+        return CONTRACTS["attn_output_gate"].reference(attn, g, bias) * 2
+
+    table = OpTable({"attn_output_gate": gate}, {"attn_output_gate": "mine"})
+    got = table.gated_o_proj(*args)
+    assert calls and table.sources["gated_o_proj"] == "reference"
+    assert torch.equal(got, F.linear((CONTRACTS["attn_output_gate"].reference(*args[:3]) * 2)
+                                     .reshape(5, -1), args[3]))
+    # A table copied from another (as the profiler and the runtime build them) composes the
+    # composite again from its own parts, not the other table's.
+    copied = OpTable({n: table.impl(n) for n in table.sources if n != "attn_output_gate"})
+    calls.clear()
+    assert torch.equal(copied.gated_o_proj(*args), c.reference(*args)) and not calls
+    # A variant of the composite itself runs as given, whatever the parts are.
+    fused = OpTable({"gated_o_proj": lambda *a: torch.zeros(5, CFG.hidden_size, dtype=BF),
+                     "attn_output_gate": gate}, {"gated_o_proj": "v1"})
+    calls.clear()
+    assert fused.gated_o_proj(*args).abs().sum() == 0 and not calls
+
+
 @pytest.mark.parametrize("op", OP_NAMES)
 def test_every_near_miss_differs_from_the_reference(op):
     c = CONTRACTS[op]
@@ -277,3 +317,31 @@ def test_ssmax_positions_let_the_zero_based_near_miss_stand_out_of_libm_noise():
             noise_total += int((noisy != ref).sum())
         near_total += int((near != ref).sum())
     assert near_total >= 20 * max(noise_total, 1), (near_total, noise_total)
+
+
+def test_edge_shapes_cover_every_depth_and_expert_parallel_ranks():
+    nrn = CONTRACTS["norm_residual_norm"].tests.edge_cases({"T": 4, "H": 64})
+    depths = sorted(e.shape["add_index"] for e in nrn if "add_index" in e.shape)
+    assert depths == list(range(2, 106)) and all(
+        e.shape["T"] == 1 for e in nrn if "add_index" in e.shape)
+    args = CONTRACTS["norm_residual_norm"].make_inputs(
+        next(e.shape for e in nrn if e.name == "add_index=105"), 0)
+    assert args[4] == 105
+    moe = CONTRACTS["moe_experts"]
+    edges = {e.name: e.shape for e in moe.tests.edge_cases(moe.shapes_for(CFG, 3))}
+    assert {edges["expert_parallel_2"]["ep"], edges["expert_parallel_8"]["ep"]} == {2, 8}
+    e_local = edges["expert_parallel_8"]["E"]
+    offsets, outside = set(), 0
+    for seed in range(8):
+        x, gu, down, w, ids, scale, offset = moe.make_inputs(edges["expert_parallel_8"], seed)
+        assert offset % e_local == 0 and 0 <= offset < 8 * e_local
+        assert int(ids.max()) < 8 * e_local
+        outside += int(((ids < offset) | (ids >= offset + e_local)).sum())
+        offsets.add(offset)
+        # The reference's slots of other ranks' experts contribute nothing.
+        alone = moe.reference(x, gu, down, w.masked_fill((ids < offset) |
+                              (ids >= offset + e_local), 0.0), ids, scale, offset)
+        assert torch.equal(alone, moe.reference(x, gu, down, w, ids, scale, offset))
+    assert len(offsets) > 1 and outside > 0
+    # Without `ep` the inputs are the single-rank ones, as before.
+    assert len(moe.make_inputs(moe.shapes_for(CFG, 3), 0)) == 6

@@ -2,8 +2,10 @@
 
 Every bound of the op's policy (max ulp, mismatch fraction with its Poisson margin, bias) is
 judged on each (shape, output) pair on its own; a near miss must be strictly farther from the
-candidate than the reference is at every shape where it differs from the reference. Nothing is
-pooled across shapes, so a deviation used only at one token count is judged there.
+candidate than the reference is at every shape where it differs from the reference by at least
+as much as the candidate does (where it differs by less, the inputs cannot tell it from the
+candidate's own error). Nothing is pooled across shapes, so a deviation used only at one token
+count is judged there.
 """
 
 from __future__ import annotations
@@ -67,6 +69,13 @@ def judge_near_misses(j: Judge) -> tuple[list[str], dict[str, Any]]:
             status = "not distinguishable on these inputs"
         elif d.get("cand_ref_ulps", d["cand_ref"]) < d.get("cand_near_ulps", d["cand_near"]):
             status = "closer to the reference"
+        elif d.get("cand_ref_ulps", d["cand_ref"]) > d.get("near_ref_ulps", d["near_ref"]):
+            # The near miss is nearer the reference than the candidate's own (legitimate) error
+            # is: these inputs cannot tell the two apart, as when tiny router inputs put every
+            # score at 0.5. Not a verdict either way. A candidate that is the near miss sits at
+            # exactly its distance and is judged by the branch below; one that adds error to
+            # stand farther off must keep that error inside the numerics policy.
+            status = "not distinguishable from the candidate's own error on these inputs"
         else:
             status = "closer to the near miss"
             if not any(name in r for r in reasons):

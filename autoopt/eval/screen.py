@@ -72,6 +72,7 @@ SAFE_BUILTINS = frozenset({
 _OK_DUNDER_NAMES = frozenset({"__name__", "__all__", "__doc__"})
 _OK_DUNDER_DEFS = frozenset({"__init__", "__post_init__", "__call__", "__repr__"})
 
+_WHICH_GPU = "reads which GPU it runs on (a served TP rank is not on the judge's GPU)"
 # Callables and attributes of allowed modules that are refused, with why (prefix match).
 DENIED_PATHS: tuple[tuple[str, str], ...] = (
     ("torch.compile", "uses torch.compile"), ("torch.compiler", "uses torch.compile"),
@@ -116,6 +117,8 @@ DENIED_PATHS: tuple[tuple[str, str], ...] = (
     ("torch.cuda.is_initialized", "inspects the process (telling serving apart)"),
     ("torch.cuda.get_allocator_backend", "inspects the caching allocator"),
     ("torch.cuda.ipc_collect", "inter-process memory"),
+    # Which GPU it runs on: the judge's worker runs on one, a served TP rank on GPU 1..7.
+    ("torch.cuda.current_device", _WHICH_GPU),
     ("torch.cuda.get_rng_state", "reads the RNG state (telling runs apart)"),
     ("torch.get_rng_state", "reads the RNG state (telling runs apart)"),
     ("torch.initial_seed", "reads the RNG state (telling runs apart)"),
@@ -132,6 +135,8 @@ DENIED_PATHS: tuple[tuple[str, str], ...] = (
     ("typing.ForwardRef", "evaluates strings as code"),
     ("dataclasses.make_dataclass", "generates code"),
     ("triton.language.extra.cuda.globaltimer", "reads a GPU timer"),
+    # The config that runs must be the one verified: tuning is the registry's, per bucket.
+    ("triton.autotune", "tunes by timing at run time (export CONFIG_SPACE instead)"),
 )
 # Attribute names refused on any object (the base may not resolve statically), with why.
 DENIED_ATTRS: dict[str, str] = {
@@ -142,6 +147,8 @@ DENIED_ATTRS: dict[str, str] = {
                                          "io", "socket", "tempfile", "mmap", "pickle",
                                          "marshal", "ctypes", "_ctypes", "cffi")},
     "time": "timers", "perf_counter": "timers", "globaltimer": "reads a GPU timer",
+    "globaltimer_lo": "reads a GPU timer", "globaltimer_hi": "reads a GPU timer",
+    "clock": "reads a GPU timer", "clock64": "reads a GPU timer",
     "compile": "uses torch.compile or compile()", "_dynamo": "uses torch.compile",
     "_inductor": "uses torch.compile", "jit_compile": "uses a compiler",
     "load_library": "loads native code", "import_module": "dynamic import",
@@ -152,6 +159,7 @@ DENIED_ATTRS: dict[str, str] = {
     "Stream": "uses CUDA streams (side-stream work)", "stream": "uses CUDA streams",
     "Event": "uses CUDA events (timers)", "CUDAGraph": "captures CUDA graphs",
     "share_memory_": "shared memory", "library": "overrides torch operators",
+    "get_device": _WHICH_GPU,
 }
 _FRAME_ATTR = re.compile(r"^(f|tb|gi|cr|ag|co)_[a-z]+$")
 _DUNDER_IN_STRING = re.compile(r"__[A-Za-z][A-Za-z0-9_]*__")
@@ -167,7 +175,7 @@ def static_screen(source: str, filename: str = "<variant>") -> list[str]:
     except SyntaxError as e:
         return [f"static screen: syntax error at line {e.lineno}: {e.msg}"]
     s = _Screen(tree)
-    reasons = s.run() + _module_state_reasons(tree)
+    reasons = s.run() + _module_state_reasons(tree) + _inline_asm_reasons(tree)
     if "run" not in _top_level_names(tree):
         reasons.append("defines no top-level `run` (expected run(*args, config=None) with the "
                        "op's signature)")
@@ -215,6 +223,42 @@ def _module_state_reasons(tree: ast.Module) -> list[str]:
     return out
 
 
+def _tensor_has(name: str) -> bool:
+    """A name torch tensors carry (a variant cannot make `_version` its own by defining it)."""
+    import torch
+
+    return hasattr(torch.Tensor, name) or name in ("_version", "_base", "_cdata")
+
+
+_ASM = "inline_asm_elementwise"
+_DRIVER_NAMES = frozenset({"CUstream"})
+
+
+def _inline_asm_reasons(tree: ast.Module) -> list[str]:
+    """Inline PTX only as a literal string in the call itself: the string screen then sees all
+    of it. Assembled at run time (`'%glob' + 'altimer'`), it could read the GPU's clock (a
+    kernel that changes with the date) or anything else the screen never saw."""
+    calls = {id(n.func): n for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and any(a.name == _ASM for a in node.names):
+            out.append(f"imports {_ASM} by name (call it as tl.{_ASM}(...) with a literal "
+                       "string)")
+        elif isinstance(node, ast.Attribute) and node.attr == _ASM:
+            call = calls.get(id(node))
+            asm = None
+            if call is not None:
+                asm = call.args[0] if call.args else next(
+                    (k.value for k in call.keywords if k.arg == "asm"), None)
+            if call is None:
+                out.append(f"uses {_ASM} other than by calling it (inline assembly the screen "
+                           "cannot read)")
+            elif not (isinstance(asm, ast.Constant) and isinstance(asm.value, str)):
+                out.append(f"calls {_ASM} with assembly built at run time (it must be a "
+                           "literal string the screen can read)")
+    return out
+
+
 def _own_nodes(fn: ast.AST) -> Iterable[ast.AST]:
     """The nodes of `fn`'s own scope: nested functions and lambdas are scopes of their own."""
     todo = list(ast.iter_child_nodes(fn))
@@ -223,6 +267,32 @@ def _own_nodes(fn: ast.AST) -> Iterable[ast.AST]:
         yield node
         if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
             todo.extend(ast.iter_child_nodes(node))
+
+
+def _is_device(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "device"
+
+
+def _which_gpu_reasons(node: ast.Compare | ast.Call) -> list[str]:
+    """A tensor's device compared with a fixed one, turned into text, or a device named by its
+    index: the plain ways to behave differently on a served rank's GPU. Comparing two inputs'
+    devices (`x.device != w.device`) is what honest checks do and passes. A device reaching text
+    through an f-string is not caught (error messages print devices): docs/judge.md."""
+    if isinstance(node, ast.Compare):
+        operands = [node.left, *node.comparators]
+        if any(_is_device(o) for o in operands) and any(
+                isinstance(o, ast.Constant | ast.Call | ast.JoinedStr | ast.BinOp | ast.Tuple |
+                           ast.List | ast.Set) for o in operands):
+            return [f"compares a tensor's device with a fixed one ({_WHICH_GPU})"]
+        return []
+    f = node.func
+    name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+    if name in ("str", "repr", "format", "hash") and any(_is_device(a) for a in node.args):
+        return [f"turns a tensor's device into {name}() ({_WHICH_GPU})"]
+    if name == "device" and (len(node.args) > 1 or any(
+            isinstance(a, ast.Constant) and ":" in str(a.value) for a in node.args)):
+        return [f"names a GPU by index ({_WHICH_GPU})"]
+    return []
 
 
 def _unique(items: Iterable[str]) -> list[str]:
@@ -262,6 +332,7 @@ class _Screen:
         self.bound: set[str] = set()
         self.reasons: list[str] = []
         self.docstrings = _docstrings(tree)
+        self.own_private: set[str] = set()  # private attribute names the variant defines
 
     def run(self) -> list[str]:
         self._collect_bindings()
@@ -289,6 +360,17 @@ class _Screen:
                 self.bound.add(node.name)
             elif isinstance(node, ast.ExceptHandler) and node.name:
                 self.bound.add(node.name)
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    names = ([item.name] if isinstance(item, ast.FunctionDef |
+                                                       ast.AsyncFunctionDef) else
+                             [t.id for t in getattr(item, "targets", [getattr(item, "target",
+                                                                              None)])
+                              if isinstance(t, ast.Name)])
+                    self.own_private.update(n for n in names if n.startswith("_"))
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                    node.attr.startswith("_"):
+                self.own_private.add(node.attr)
         # `T = torch` / `c = torch.cuda`: the new name stands for the module path too.
         for node in ast.walk(self.tree):
             if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(
@@ -339,6 +421,8 @@ class _Screen:
             r.extend(self._string_reasons(node))
         elif isinstance(node, ast.Global | ast.Nonlocal):
             r.extend(f"uses {n} (introspection)" for n in node.names if _is_dunder(n))
+        elif isinstance(node, ast.Compare | ast.Call):
+            r.extend(_which_gpu_reasons(node))
         elif isinstance(node, ast.MatchClass):
             # `case object(__class__=c)` reads attributes by name, like getattr.
             for attr in node.kwd_attrs:
@@ -361,6 +445,8 @@ class _Screen:
 
     def _attribute_reasons(self, node: ast.Attribute) -> list[str]:
         attr = node.attr
+        if attr == "index" and _is_device(node.value):
+            return [f"accesses .device.index ({_WHICH_GPU})"]
         if _is_dunder(attr):
             return [f"accesses {attr} (introspection)"]
         if _FRAME_ATTR.match(attr):
@@ -370,6 +456,12 @@ class _Screen:
             return _path_reasons(path)
         if attr in DENIED_ATTRS:
             return [f"accesses .{attr} ({DENIED_ATTRS[attr]})"]
+        if attr.startswith("_") and (attr not in self.own_private or _tensor_has(attr)):
+            # A tensor's `_version` counts its in-place writes (a KV cache's grows with every
+            # served step), `_base` and `_cdata` say how it was made: internals that tell a
+            # served call from a verified one. Private names the variant defines are its own.
+            return [f"reads the private attribute .{attr} of an object it did not define "
+                    "(torch internals tell a served call apart)"]
         return []
 
     def _patch_reasons(self, target: ast.AST) -> list[str]:
@@ -420,6 +512,11 @@ def _path_reasons(path: str, module: bool = False) -> list[str]:
     """Why the dotted `path` (a module, or an attribute chain from one) is refused."""
     if path in ALLOWED_PATHS:
         return []
+    if path.startswith("cuda.bindings.driver.") and path.split(".")[3] not in _DRIVER_NAMES:
+        # CuTe kernels take a stream handle; the rest of the driver API reads devices, memory
+        # and clocks the screen refuses everywhere else.
+        return [f"calls the CUDA driver ({path}; a variant may use only "
+                f"{', '.join(sorted(_DRIVER_NAMES))})"]
     for prefix, why in DENIED_PATHS:
         if path == prefix or path.startswith(prefix + ".") or (
                 prefix.endswith("_") and path.startswith(prefix)):

@@ -225,16 +225,24 @@ class Judge:
         """Hand `args` to the worker. Serving passes views whose rows are farther apart than
         their length (q, k and gate split from one projection, the two halves of a GEMM): with
         an rng, half of the puts hand every tensor that starts with the token axis
-        over as such a view (a few elements, or one or two row lengths apart), so neither a
-        contiguous layout nor a layout like serving's is a sign of being verified or not."""
+        over as such a view (a few elements, or one or two row lengths apart), or as the first
+        rows of a larger allocation (serving's CUDA graphs slice ids, positions, slots and page
+        tables out of buffers sized for the largest batch), so neither a contiguous layout nor
+        a layout like serving's is a sign of being verified or not."""
         h = self._next()
         descs = self.w.pack(args)
         if self.rng is not None and self.rng.random() < 0.5:
             # A few elements (an aligned allocation), or whole rows: serving's q, k, v and gate
-            # are column slices of one projection, rows one or more row lengths apart.
-            pad = self.rng.choice((3, 64, "row", "rows"))
+            # are column slices of one projection, rows one or more row lengths apart. Or a
+            # prefix: up to 511 rows more in the allocation, as a graph's static buffers have.
+            pad = self.rng.choice((3, 64, "row", "rows", "tail"))
             t = args[0].shape[self.c.token_dim] if isinstance(args[0], torch.Tensor) else -1
+            tail = self.rng.choice((1, 15, 63, 511))
             for d, a in zip(descs, args, strict=True):
+                if pad == "tail":
+                    if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == t > 0:
+                        d["tail"] = tail
+                    continue
                 if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[0] == t > 0:
                     row = a[0].numel()
                     d["pad"] = row if pad == "row" else 2 * row if pad == "rows" else pad
@@ -398,14 +406,15 @@ class Judge:
         for name, nm in case.near.items():
             acc = self.near.setdefault((case.key, name), {
                 "cand_ref": 0, "cand_near": 0, "near_ref": 0, "cand_ref_ulps": 0,
-                "cand_near_ulps": 0, "trials": 0})
+                "cand_near_ulps": 0, "near_ref_ulps": 0, "trials": 0})
             if isinstance(nm, str):
                 out[name] = {"error": nm}
                 continue
             d = {"cand_ref": mismatch_count(outs, case.ref), "cand_near": mismatch_count(outs, nm),
                  "near_ref": mismatch_count(nm, case.ref),
                  "cand_ref_ulps": ulp_distance(outs, case.ref),
-                 "cand_near_ulps": ulp_distance(outs, nm)}
+                 "cand_near_ulps": ulp_distance(outs, nm),
+                 "near_ref_ulps": ulp_distance(nm, case.ref)}
             for k, v in d.items():
                 acc[k] += v
             acc["trials"] += 1

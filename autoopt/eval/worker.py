@@ -190,7 +190,13 @@ def _materialize(state: _State, d: dict) -> Any:
     t = state.arena.view(wire.TensorDesc.parse(d, state.arena.size))
     pad = int(d.get("pad", 0))
     offset = max(0, int(d.get("offset", 0)))
-    if pad > 0 and t.dim() >= 2:  # rows farther apart than their length, as serving's views
+    tail = max(0, int(d.get("tail", 0)))
+    if tail and t.dim() >= 1 and t.shape[0] > 0:  # the first rows of a larger allocation
+        base = torch.empty((t.shape[0] + tail, *t.shape[1:]), dtype=t.dtype, device=state.device)
+        out = base[:t.shape[0]]
+        # The rows past the view hold the view's own values again: data, not poison.
+        base[t.shape[0]:].copy_(t.repeat_interleave(-(-tail // t.shape[0]), 0)[:tail])
+    elif pad > 0 and t.dim() >= 2:  # rows farther apart than their length, as serving's views
         inner = t[0].numel()
         offset = min(offset, pad)  # a slice of a wider row, never past it
         base = torch.empty(offset + t.shape[0] * (inner + pad), dtype=t.dtype,

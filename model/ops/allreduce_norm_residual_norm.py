@@ -44,6 +44,8 @@ AXES = {
 # Test shapes (model/ops/_contract.py "Test shapes"): see `test_shapes` below.
 CPU_DIMS = {"H": 320}
 FREE_DIMS = {"H": (8, 640)}
+# Every depth index once, on one row (as norm_residual_norm).
+EDGE_SHAPES = {f"add_index={d}": {"T": 1, "add_index": d} for d in range(2, 106)}
 TOKEN_RANGE = {"cpu": (1, 128)}
 EDGE_SCALES = {"tiny": {0: 2.0**-40, 1: 2.0**-40}, "huge": {0: 2.0**40, 1: 2.0**40}}
 

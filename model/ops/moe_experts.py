@@ -37,6 +37,10 @@ CPU_DIMS = {"H": 320, "E": 16, "I": 64, "k": 8}
 FREE_DIMS = {"H": (8, 512), "I": (8, 128)}
 TOKEN_RANGE = {"cpu": (1, 24)}
 EDGE_SCALES = {"tiny": {0: 2.0**-30}, "huge": {0: 2.0**20}}
+# Expert parallelism, as the served model calls the op on an EP rank: ids of every rank's
+# experts and this rank's offset (two and eight ranks; eight tokens so that some rows have no
+# local expert and some several).
+EDGE_SHAPES = {"expert_parallel_2": {"T": 8, "ep": 2}, "expert_parallel_8": {"T": 8, "ep": 8}}
 
 
 def expert_slots(x, gate_up, down, ids, expert_offset: int = 0) -> torch.Tensor:
@@ -155,15 +159,20 @@ def expert_weights(e: int, rows: int, cols: int, g, dtype, device, scale: float)
 def make_inputs(shape: Shape, seed: int, device="cpu", dtype=torch.bfloat16) -> tuple:
     g = gen(seed)
     t, h, e, i, k = shape["T"], shape["H"], shape["E"], shape["I"], shape.get("k", 8)
+    ep = int(shape.get("ep", 1))
     x = randn((t, h), g, dtype, device)
     gate_up = expert_weights(e, 2 * i, h, g, dtype, device, h**-0.5)
     down = expert_weights(e, h, i, g, dtype, device, i**-0.5)
     # Unbalanced routing on purpose: experts drawn from a skewed distribution, distinct per token.
-    probs = torch.linspace(3.0, 0.2, e)
+    # Under expert parallelism (`ep` ranks of E experts) ids name all ep * E experts, and this
+    # rank holds [offset, offset + E): the other slots contribute zero.
+    probs = torch.linspace(3.0, 0.2, e * ep)
     ids = torch.stack([torch.multinomial(probs, k, generator=g) for _ in range(t)]).to(device)
     w = torch.rand((t, k), generator=g) + 0.05
     w = (w / w.sum(-1, keepdim=True)).to(device)
-    return x, gate_up, down, w, ids, 2.5
+    if ep == 1:
+        return x, gate_up, down, w, ids, 2.5
+    return x, gate_up, down, w, ids, 2.5, e * int(torch.randint(0, ep, (1,), generator=g))
 
 
 def cost(shape: Shape) -> Cost:

@@ -27,6 +27,9 @@ AXES = {"T": "tokens (varies)", "H": "hidden size (config)", "add_index": "2..10
 # Test shapes (model/ops/_contract.py "Test shapes").
 CPU_DIMS = {"H": 320}
 FREE_DIMS = {"H": (8, 640)}
+# Every depth index once, on one row: a kernel exact at the depths a random draw hits and off at
+# one (the last layer's, say) would otherwise pass most verifications.
+EDGE_SHAPES = {f"add_index={d}": {"T": 1, "add_index": d} for d in range(2, 106)}
 TOKEN_RANGE = {"cpu": (1, 192)}
 EDGE_SCALES = {"tiny": {0: 2.0**-40, 1: 2.0**-40}, "huge": {0: 2.0**40, 1: 2.0**40}}
 
