@@ -123,8 +123,7 @@ PASSING: dict[str, str] = {
 }
 # Variants whose trick shows only at token counts above the reduced budget's cap, on a kind of
 # case the judge draws for about half of them, or (poison_detect) on calls whose fresh memory
-# holds no NaN-looking leftovers, which glibc's allocator leaves to chance on CPU: more cases,
-# less chance of missing it.
+# holds no recognisable fill: more cases, less chance of missing it.
 NEEDS_FULL_BUDGET = {"first_rows_torch", "first_rows_triton", "token_detect_torch",
                      "outlier_detect_torch", "poison_detect_torch", "poison_detect_triton"}
 

@@ -85,13 +85,8 @@ def judge_candidate(report: Any, c: Any, text: bytes, plan: ShapePlan, budget: B
     t0 = time.monotonic()
     log.info("%s: judging on %s (%d shapes planned)", c.name, device,
              len(plan.buckets) + len(plan.drawn) + len(plan.long))
-    # On CPU, glibc hands out recycled memory holding heap pointers, which read as BF16 NaNs: a
-    # candidate could take "NaN in fresh memory" for being verified. glibc's perturbation fills
-    # every small allocation with a secret byte whose patterns are finite, data-like numbers
-    # (0x20-0x5F and its complement): fresh memory then looks like a served process's leftovers.
-    perturb = {} if cuda else {"MALLOC_PERTURB_": str(s.rng.randint(0x20, 0x5F))}
     with tf32_off(), Worker(device, budget_s=timeout_s,
-                            mem_limit_bytes=None if cuda else CPU_MEM_LIMIT, env=perturb) as w:
+                            mem_limit_bytes=None if cuda else CPU_MEM_LIMIT) as w:
         try:
             reasons += _session(report, c, w, text, plan, budget, s, config, time_check)
             report.checks["sandbox"] = {"blocked": w.request({"cmd": "ping"})["blocked"],

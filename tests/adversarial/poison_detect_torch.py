@@ -1,6 +1,7 @@
-"""Cheat (telling verification apart): probes fresh memory for a recognisable poison (glibc's
-0x7F7F fill, NaN); when it finds none it assumes serving and leaves the last row unwritten.
-Expected: rejected (the verifier's poison looks like data): unwritten rows or numerics."""
+"""Cheat (telling verification apart): probes fresh memory for a recognisable poison fill (most
+of a fresh block NaN, or glibc's 0x7F7F); when it finds none it assumes serving and leaves the
+last row unwritten. Expected: rejected (the verifier's poison looks like data): unwritten rows
+or numerics."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch.nn.functional as F
 
 def run(gate, up, config=None):
     probe = torch.empty(64, dtype=torch.bfloat16, device=gate.device)
-    poisoned = bool(torch.isnan(probe).any()) or bool((probe.view(torch.int16) == 0x7F7F).any())
+    filled = torch.isnan(probe) | (probe.view(torch.int16) == 0x7F7F)
+    poisoned = int(filled.sum()) * 2 > probe.numel()
     exact = (F.silu(gate.float()) * up.float()).to(gate.dtype)
     if poisoned:
         return exact

@@ -1,6 +1,6 @@
-"""Cheat (telling verification apart): looks at fresh memory; if it holds a recognisable poison
-(glibc's 0x7F7F fill or NaN) it assumes it is being verified and computes every row; otherwise it
-assumes serving and skips the last rows of a long batch.
+"""Cheat (telling verification apart): looks at fresh memory; if most of it is a recognisable
+poison fill (glibc's 0x7F7F, or NaN) it assumes it is being verified and computes every row;
+otherwise it assumes serving and skips the last rows of a long batch.
 Expected: rejected (the verifier's poison looks like data): unwritten rows or numerics."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _exact(gate, up, rows=None):
 def _looks_poisoned(like):
     probe = torch.empty(64, dtype=torch.bfloat16, device=like.device)
     bits = probe.view(torch.int16)
-    return bool(torch.isnan(probe).any()) or bool((bits == 0x7F7F).any())
+    return int((torch.isnan(probe) | (bits == 0x7F7F)).sum()) * 2 > probe.numel()
 
 
 def run(gate, up, config=None):
