@@ -127,6 +127,34 @@ def test_the_verifier_rejects_a_gate_left_in_fp32_before_the_gemm():
     assert any("unrounded_gated" in r for r in reasons), reasons
 
 
+@pytest.mark.parametrize("t", [5, 17, 33])
+def test_qkv_gate_proj_template_reads_only_its_rows_of_a_padded_input(t):
+    # Rows of x one row length apart with NaN between them (a judge's or serving's view): the
+    # template's GEMV and its library path (torch's CPU BF16 GEMM reads past a row's end and
+    # multiplies the padding by zero: NaN padding gave NaN rows) give the reference's bits.
+    import importlib.util
+    import tempfile
+    from pathlib import Path
+
+    from autoopt.agents.template import CATALOG
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "qkv_template.py"
+        path.write_text(CATALOG["qkv_gate_proj"][0].render())
+        spec = importlib.util.spec_from_file_location("qkv_template", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    c = contract("qkv_gate_proj")
+    x, w, hq, hkv = c.make_inputs({"T": t, "H": 276, "Hq": 6, "Hkv": 1, "D": 16}, 2)
+    base = torch.full((t, 2 * 276), float("nan"), dtype=x.dtype)
+    padded = base[:, :276]
+    padded.copy_(x)
+    got, want = mod.run(padded, w, hq, hkv), c.reference(x, w, hq, hkv)
+    for g, r in zip(got, want, strict=True):
+        assert not torch.isnan(g).any()
+        assert (g.float() - r.float()).abs().max() <= 2e-2 * r.float().abs().max()
+
+
 def test_qkv_gate_proj_outputs_are_views_of_one_gemm(variants):
     c = contract("qkv_gate_proj")
     x, w, hq, hkv = c.make_inputs({"T": 3, "H": 64, "Hq": 6, "Hkv": 1, "D": 16}, 0)

@@ -131,7 +131,9 @@ def run(x: torch.Tensor, weight: torch.Tensor, num_heads: int, num_kv_heads: int
     """qkv_gate_proj(x, weight, Hq, Hkv) -> (q, k, v, gate), views of one [T, N] output."""
     _check(x, weight, num_heads, num_kv_heads)
     if x.shape[0] > GEMV_MAX_TOKENS:
-        return split(F.linear(x, weight), num_heads, num_kv_heads)
+        # A contiguous x, as the reference's: cuBLAS picks its algorithm (and K order) by
+        # layout, and torch's CPU BF16 GEMM returns NaN rows for a row-strided input.
+        return split(F.linear(x.contiguous(), weight), num_heads, num_kv_heads)
     cfg = {**DEFAULT_CONFIG, **(config or {})}
     out = gemv(x, weight, int(cfg["BLOCK_N"]), int(cfg["BLOCK_K"]), int(cfg["SPLIT_K"]),
                int(cfg["num_warps"]))
