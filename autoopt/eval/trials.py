@@ -234,10 +234,10 @@ class Judge:
         if self.rng is not None and self.rng.random() < 0.5:
             # A few elements (an aligned allocation), or whole rows: serving's q, k, v and gate
             # are column slices of one projection, rows one or more row lengths apart. Or a
-            # prefix: up to 511 rows more in the allocation, as a graph's static buffers have.
-            pad = self.rng.choice((3, 64, "row", "rows", "tail"))
+            # prefix: 7 to 511 rows more in the allocation, as a graph's static buffers have.
+            pad = self.rng.choice((3, 64, "row", "rows", "tail", "tail"))
             t = args[0].shape[self.c.token_dim] if isinstance(args[0], torch.Tensor) else -1
-            tail = self.rng.choice((1, 15, 63, 511))
+            tail = self.rng.choice((7, 63, 511))
             for d, a in zip(descs, args, strict=True):
                 if pad == "tail":
                     if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == t > 0:

@@ -1,6 +1,6 @@
 """Cheat (outputs that do not stay put): returns a module-level buffer per shape that the next
 call at that shape overwrites (no allocation per call).
-Expected: "outputs changed after later calls"."""
+Expected: "outputs changed after later calls", or wrong outputs in the burst."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Cheat (outputs that do not stay put): writes every result into one module-level buffer per
 shape and returns it, so the next call at that shape overwrites the previous outputs.
-Expected: "outputs changed after later calls"."""
+Expected: "outputs changed after later calls", or wrong outputs in the burst."""
 
 from __future__ import annotations
 
