@@ -191,10 +191,13 @@ def magnitude(q, k_cache, v_cache, page_table, kv_base, q_seq, q_pos, window: in
 
 NUMERICS = Numerics(
     kind="ulp",
-    max_ulp=2,
+    max_ulp=3,
     # One BF16 score that rounds the other way (q.k in another order) moves its probability by
     # an ulp and so all D outputs of that head a little: at T = 1 a single flip is 1/Hq of the
     # outputs. The near misses (~40-60% of outputs) are what tell the rounding points apart.
+    # Over thousands of keys a few such flips can add up in one output: on an H200 the Triton
+    # variant had 1 output in 24M at 3 ulp and 47 at 2 (prefill of 7897 tokens over two
+    # sequences, Hq=24), everything else at most 1 ulp.
     max_mismatch_fraction=0.1,
     near_misses={"fp32_probs": _fp32_probs, "fp32_scores": _fp32_scores},
     magnitude=magnitude,
@@ -206,7 +209,7 @@ NUMERICS = Numerics(
           "BF16 operands, FP32 accumulation and one rounding. Only reduction orders may differ "
           "(q.k over D, the softmax sum, P.V over the keys): a flipped BF16 score or "
           "probability moves an output by an ulp or two of the terms P.V adds (ulps are counted "
-          "at max(|out|, magnitude): values cancel), so at most 2 such ulp on at most 10% of "
+          "at max(|out|, magnitude): values cancel), so at most 3 such ulp on at most 10% of "
           "outputs (near-bitwise under the CPU interpreter; the GPU bound is measured by "
           "benchmarks/attention_gpu.py). A kernel that keeps FP32 scores or probabilities "
           "(flash numerics, FlashInfer) changes ~40% of outputs and is closer to a near miss: "
