@@ -57,7 +57,8 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"{a.op}/{a.variant} has no config keys {sorted(unknown)}")
     keys = sorted(grid)
-    configs = [dict(zip(keys, vals, strict=True)) for vals in itertools.product(*(grid[k] for k in keys))]
+    configs = [dict(zip(keys, vals, strict=True))
+               for vals in itertools.product(*(grid[k] for k in keys))]
     tokens = [int(t) for t in a.tokens.split(",")]
     rows = []
     for shape in gpu_shapes(a.op, tokens):
