@@ -66,6 +66,24 @@ def explain(y, slots, w, scale, ref_row) -> dict:
     return best
 
 
+def per_slot(mod, x, gu, dn, ids, offset, slots, e: int) -> list[dict]:
+    """The candidate's own d_k of every slot: the output is linear in the weights, so one-hot
+    weights (and scale 1) give back each slot's rounded expert output, to set beside the
+    reference's (zero where the expert is held elsewhere)."""
+    out = []
+    for j in range(ids.shape[1]):
+        w1 = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+        w1[:, j] = 1.0
+        d = mod.run(x, gu, dn, w1, ids, 1.0, offset).float()
+        ref = slots[:, j].float()
+        held = ((ids[:, j] - offset >= 0) & (ids[:, j] - offset < e)).tolist()
+        diff = (d - ref).abs().amax(dim=1)
+        out.append({"slot": j, "held": held, "max_abs_diff_per_row": diff.tolist(),
+                    "nonzero_where_not_held": [bool(d[t].ne(0).any()) and not held[t]
+                                               for t in range(ids.shape[0])]})
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "moe_ep_check_out")))
@@ -74,6 +92,8 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=4)
     p.add_argument("--tokens", type=int, default=8)
     p.add_argument("--layouts", default="contiguous,padded,tail")
+    p.add_argument("--explain-over", type=int, default=4,
+                   help="Per-slot outputs for cases above this many ulps (contiguous layout).")
     p.add_argument("--dry-run", action="store_true", help="CPU interpreter, H=256.")
     a = p.parse_args()
     if a.dry_run:
@@ -98,8 +118,15 @@ def main() -> None:
                 slots = op.expert_slots(x, gu, dn, ids, offset)
                 for kind in a.layouts.split(","):
                     lay = [layout(t, kind) for t in (x, gu, dn, w, ids)]
-                    y = mod.run(*lay, scale, offset)
-                    y2 = mod.run(*lay, scale, offset)
+                    try:
+                        y = mod.run(*lay, scale, offset)
+                        y2 = mod.run(*lay, scale, offset)
+                    except Exception as e:  # noqa: BLE001 (recorded: a layout it cannot take)
+                        rows.append({"variant": variant, "ep": ep, "seed": seed,
+                                     "layout": kind, "error": f"{type(e).__name__}: {e}"})
+                        print(f"{variant:14} ep={ep} seed={seed} {kind:10} raised "
+                              f"{type(e).__name__}: {e}", flush=True)
+                        continue
                     d = ulp_diff_at(y, ref, mag).abs()
                     per_row = d.amax(dim=1)
                     worst = int(per_row.argmax())
@@ -116,6 +143,14 @@ def main() -> None:
                         "worst_row_explained_by": explain(y[worst], slots[worst], w[worst],
                                                           scale, ref[worst]),
                     }
+                    if row["max_ulp"] > a.explain_over and kind == "contiguous":
+                        row["slots"] = per_slot(mod, x, gu, dn, ids, offset, slots, shape["E"])
+                        bad = [(s["slot"], t) for s in row["slots"]
+                               for t, v in enumerate(s["max_abs_diff_per_row"]) if v > 0.05]
+                        stray = [(s["slot"], t) for s in row["slots"]
+                                 for t, v in enumerate(s["nonzero_where_not_held"]) if v]
+                        print(f"    (slot, row) off by > 0.05: {bad}; nonzero where held "
+                              f"elsewhere: {stray}", flush=True)
                     rows.append(row)
                     print(f"{variant:14} ep={ep} seed={seed} off={offset:4} {kind:10} "
                           f"max {row['max_ulp']:4} ulp, {row['over_4']:5} > 4 in "
