@@ -29,7 +29,7 @@ export AUTOOPT_CACHE=$R/cache
 
 declare -A STAGES=(
   [machine]="nvidia-smi; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'; git log -1 --format=%H 2>/dev/null || true"
-  [tests]="python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider --continue-on-collection-errors --durations=20 \${GPU_TESTS:-tests/}"
+  [tests]="python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider --continue-on-collection-errors --durations=20 \$(python3 -c 'import pytest_timeout' 2>/dev/null && echo --timeout=\${GPU_TEST_TIMEOUT:-240}) \${GPU_TESTS:-tests/}"
   [kernels]="python3 benchmarks/gpu_kernels.py --out \$R/kernels \${KERNELS_ARGS:-}"
   [kernels2]="python3 benchmarks/gpu_kernels.py --out \$R/kernels2 \${KERNELS2_ARGS:-}"
   [kernels3]="python3 benchmarks/gpu_kernels.py --out \$R/kernels3 \${KERNELS3_ARGS:-}"
@@ -95,6 +95,9 @@ for spec in "$@"; do  # NAME[=SECONDS], or A+B[=SECONDS] to run stages side by s
   [ "$secs" = "$spec" ] && secs=300
   for name in ${names//+/ }; do run_stage "$name" "$secs" & done
   wait
+  # A judge's workers run in sessions of their own: one whose judge was cut off by a stage's
+  # limit must not hold the GPU's memory into the next stage.
+  if pkill -9 -f "autoopt[.]eval[.]worker" 2>/dev/null; then echo "== killed workers left by $spec"; fi
   pack  # after every stage: a call cut short still returns what finished
 done
 ls -la "$OUT"

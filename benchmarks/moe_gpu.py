@@ -7,11 +7,11 @@
 
 Shapes: H=5120, E=256 experts, I=320, top-8, routed scale 2.5, T = 1, 2, 4, 8, 16, 32, 64, 2048;
 random weights (N(0, 1/fan_in)) and skewed routing (expert popularity falling 15x across ids).
-1. Correctness: triton_v1 (its defaults) and grouped_mm_v1 against the reference, judged by the
+1. Correctness: triton_v1 (its defaults) and grouped_mm_v2 against the reference, judged by the
    contract's policy (ulps at the scale of the combined terms); the raw output ulps are reported.
 2. Timing: CUDA-graph replay (autoopt.eval.time_callable) over calls that rotate across SETS
    layers' worth of expert weights (2.5 GB each, far beyond the 50 MB L2) with a fresh routing per
-   call: reference (eager; it syncs with the host), grouped_mm_v1, torch.compile of grouped_mm_v1
+   call: reference (eager; it syncs with the host), grouped_mm_v2, torch.compile of grouped_mm_v2
    (`emulate_precision_casts`; at --compile-tokens, where time allows), triton_v1 defaults, the
    sweep, and any variant named with --also (cute_v1 needs nvidia-cutlass-dsl).
 3. Sweep: triton_v1 kernel-A configs (gate_up + SwiGLU) at a fixed kernel B, then kernel-B
@@ -142,7 +142,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sets", type=int, default=4, help="Layers of weights rotated in timing.")
     p.add_argument("--budget-s", type=float, default=270.0, help="Stop sweeping after this.")
     p.add_argument("--compile-tokens", default="1",
-                   help="T at which torch.compile(grouped_mm_v1) is timed ('' for none).")
+                   help="T at which torch.compile(grouped_mm_v2) is timed ('' for none).")
     p.add_argument("--jobs", type=int, default=12, help="Parallel compile workers.")
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--quick", action="store_true",
@@ -234,11 +234,11 @@ class Bench:
         self.dims, self.device, self.dry = dims, device, dry
         self.triton_mod = reg.load_variant("moe_experts", "triton_v1")
         self.triton = self.triton_mod.run
-        self.grouped = reg.load_variant("moe_experts", "grouped_mm_v1").run
+        self.grouped = reg.load_variant("moe_experts", "grouped_mm_v2").run
         self.others: dict = {}  # further registry variants this machine can run (cute_v1)
         self.missing: dict[str, str] = {}
         for name in reg.variants("moe_experts"):
-            if name in ("triton_v1", "grouped_mm_v1"):
+            if name in ("triton_v1", "grouped_mm_v2"):
                 continue
             if name not in also:
                 self.missing[name] = "not asked for (--also)"
@@ -370,7 +370,7 @@ def measure_t(bench: Bench, t: int, args: argparse.Namespace, deadline: float) -
     cargs = (x, *bench.layers[0], w, ids, SCALE)
     ref, mag = contract.reference(*cargs).cpu(), contract.combine_magnitude(*cargs).cpu()
     check = (cargs, ref, mag)
-    variants = {"triton_v1": bench.triton, "grouped_mm_v1": bench.grouped, **bench.others}
+    variants = {"triton_v1": bench.triton, "grouped_mm_v2": bench.grouped, **bench.others}
     row: dict = {"correct": {}, "time": {}}
     if not args.quick or t <= QUICK_REF_TIMED:
         row["time"]["reference"] = bench.time(contract.reference, t, graph=False, iters=4)
@@ -403,16 +403,16 @@ def measure_t(bench: Bench, t: int, args: argparse.Namespace, deadline: float) -
     return row
 
 
-COMPILE_S = 60.0  # what one torch.compile of grouped_mm_v1 may take (each new shape recompiles)
+COMPILE_S = 60.0  # what one torch.compile of grouped_mm_v2 may take (each new shape recompiles)
 
 
 def add_compile(bench: Bench, results: dict, tokens: list[int], deadline: float) -> None:
     fn = compiled_grouped(bench.grouped)
     for t in tokens:
         if time.monotonic() + COMPILE_S > deadline:
-            results["tokens"][t]["time"]["compile(grouped_mm_v1)"] = {"skipped": "time budget"}
+            results["tokens"][t]["time"]["compile(grouped_mm_v2)"] = {"skipped": "time budget"}
             continue
-        results["tokens"][t]["time"]["compile(grouped_mm_v1)"] = bench.time(fn, t)
+        results["tokens"][t]["time"]["compile(grouped_mm_v2)"] = bench.time(fn, t)
 
 
 def pct(entry: dict, bw: float) -> tuple[str, str, str]:
@@ -424,9 +424,9 @@ def pct(entry: dict, bw: float) -> tuple[str, str, str]:
 
 def tables(results: dict) -> tuple[str, str]:
     bw = results["ceilings"]["copy_bytes_s"]
-    impls = ("reference", "grouped_mm_v1", "compile(grouped_mm_v1)", *sorted(
+    impls = ("reference", "grouped_mm_v2", "compile(grouped_mm_v2)", *sorted(
         {n for r in results["tokens"].values() for n in r["time"]} - {
-            "reference", "grouped_mm_v1", "compile(grouped_mm_v1)", "triton_v1",
+            "reference", "grouped_mm_v2", "compile(grouped_mm_v2)", "triton_v1",
             "triton_v1 best"}), "triton_v1", "triton_v1 best")
     lines = [f"# moe_experts on {results['gpu']} (copy ceiling {bw / 1e12:.2f} TB/s)", "",
              "| T | impl | us | GB/s (hit bytes) | % of floor | kernels | correct |",
@@ -447,8 +447,8 @@ def tables(results: dict) -> tuple[str, str]:
         hit = tm["reference"].get("hit_bytes", 0)
         short.append(f"{t:<5} {hit / 1e6:6.1f} {hit / bw * 1e6:9.1f} "
                      f"{pct(tm['reference'], bw)[0]:>7} "
-                     f"{pct(tm.get('grouped_mm_v1', {}), bw)[0]:>7} "
-                     f"{pct(tm.get('compile(grouped_mm_v1)', {}), bw)[0]:>8} "
+                     f"{pct(tm.get('grouped_mm_v2', {}), bw)[0]:>7} "
+                     f"{pct(tm.get('compile(grouped_mm_v2)', {}), bw)[0]:>8} "
                      f"{pct(tm.get('triton_v1', {}), bw)[0]:>7} {pct(best, bw)[0]:>8} "
                      f"{pct(best, bw)[2]:>7} {row['kernels'].get('triton_v1', '-')!s:>8}")
     if results.get("best_configs"):

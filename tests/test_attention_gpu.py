@@ -66,7 +66,7 @@ def test_block_variants_decode_the_same_under_graph_replay(tmp_path):
                                  kv_cache_bytes=256 * 2**20))
     reg = Registry()
     # The MoE reference syncs with the host (no capture): its capturable registry variant.
-    ops = {op: reg.load_variant(op, v).run for op, v in BLOCK + (("moe_experts", "grouped_mm_v1"),)}
+    ops = {op: reg.load_variant(op, v).run for op, v in BLOCK + (("moe_experts", "grouped_mm_v2"),)}
     eng.model.set_ops(OpTable(ops))
     eng.runner.batched_decode = True
     graphs = DecodeGraphs(eng.runner, max_num_seqs=8)

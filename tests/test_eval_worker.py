@@ -292,3 +292,57 @@ def test_memcheck_is_asked_for_and_runs_only_where_it_can_see_something(monkeypa
     assert not called
     assert run._memcheck(None, triton_text, None, None, None, "cuda", False, 60) == {"status": "x"}
     assert len(called) == 1
+
+
+def test_a_worker_ends_with_its_judge_even_in_a_call(tmp_path):
+    # The worker runs in its own session, so killing the judge's process group leaves it: it
+    # must notice its judge's end of the socket closing and exit, even mid-call (on a GPU an
+    # orphan would keep the memory of the candidate it was judging).
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    judge = tmp_path / "judge.py"
+    judge.write_text(textwrap.dedent('''
+        import sys, torch
+        from autoopt.eval.channel import Worker
+        from autoopt.eval.plan import Secret
+        from autoopt.eval.run import POISON_DTYPES, start_candidate
+        s = Secret()
+        w = Worker("cpu", budget_s=300)
+        w.start()
+        src = b"import time\\n\\ndef run(x, config=None):\\n    time.sleep(120)\\n    return x\\n"
+        err = start_candidate(w, src, "cpu", None, {d: s.palette(d) for d in POISON_DTYPES}, 1)
+        assert err is None, err
+        w.request({"cmd": "put", "handle": 1, "args": w.pack([torch.ones(2, 3)])})
+        print(w.proc.pid, flush=True)
+        w.request({"cmd": "call", "handle": 1, "out": 1,
+                   "expect": [{"dtype": "float32", "shape": [2, 3]}],
+                   "region": {"off": 0, "cap": w.arena.size}}, timeout=200)
+    '''))
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.Popen([sys.executable, str(judge)], cwd=root, stdout=subprocess.PIPE,
+                         text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    try:
+        pid = int(p.stdout.readline())
+        time.sleep(1.0)  # the call is under way: the candidate sleeps inside it
+        os.kill(pid, 0)  # the worker is alive
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            with open(f"/proc/{pid}/stat") as f:  # a zombie has exited (its parent is gone)
+                if f.read().split(") ")[1].startswith("Z"):
+                    break
+            time.sleep(0.2)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError("the worker outlived its judge by 20 s")
+    finally:
+        p.kill()

@@ -21,7 +21,8 @@ from model.registry import Registry
 @pytest.fixture(scope="module")
 def variants() -> dict:
     reg = Registry()
-    return {name: reg.load_variant("moe_experts", name) for name in ("triton_v1", "grouped_mm_v1")}
+    return {name: reg.load_variant("moe_experts", name)
+            for name in ("triton_v1", "grouped_mm_v1", "grouped_mm_v2")}
 
 
 def routing(kind: str, t: int, e: int, k: int, g: torch.Generator) -> torch.Tensor:
@@ -90,7 +91,7 @@ def test_expert_offset_slots_held_elsewhere_give_zero(variants, path, offset) ->
     x, gu, dn, w, _, scale = inputs(9, 64, 8, 32, 8, 3)
     ids = routing("spread", 9, 24, 8, torch.Generator().manual_seed(5))
     args = (x, gu, dn, w, ids, scale, offset)
-    for name in ("triton_v1", "grouped_mm_v1"):
+    for name in ("triton_v1", "grouped_mm_v1", "grouped_mm_v2"):
         cfg = {"PATH": path} if name == "triton_v1" else None
         check(variants[name].run(*args, config=cfg), args)
     if offset == 100:  # nothing held: exactly zero
@@ -124,13 +125,47 @@ def test_more_rows_than_a_row_block_and_the_grouped_fallback(variants) -> None:
 
 @pytest.mark.parametrize("t", [1, 17, 64])
 @pytest.mark.parametrize("kind", ["skewed", "dup"])
-def test_grouped_mm_v1_matches_the_reference(variants, t, kind) -> None:
+@pytest.mark.parametrize("name", ["grouped_mm_v1", "grouped_mm_v2"])
+def test_grouped_mm_matches_the_reference(variants, t, kind, name) -> None:
     for seed in (0, 1, 2):
         args = inputs(t, 64, 16, 32, 8, seed, kind)
-        check(variants["grouped_mm_v1"].run(*args), args)
+        check(variants[name].run(*args), args)
 
 
-@pytest.mark.parametrize("name", ["triton_v1", "grouped_mm_v1"])
+def _off_grid(t: torch.Tensor, pad: int = 40, offset: int = 7) -> torch.Tensor:
+    """A view whose rows sit `pad` elements apart, `offset` elements into its buffer (as the
+    judge's padded layout): its start and row stride are off the 16-byte grid."""
+    inner = t[0].numel()
+    base = torch.zeros(offset + t.shape[0] * (inner + pad), dtype=t.dtype)
+    out = base.as_strided(t.shape, (inner + pad, *t[0].contiguous().stride()), offset)
+    return out.copy_(t)
+
+
+@pytest.mark.parametrize("offset_rank", [0, 1])
+def test_grouped_mm_v2_takes_views_off_the_16_byte_grid(variants, monkeypatch, offset_rank):
+    # CUDA's grouped GEMM refuses operands whose start or strides are not 16-byte multiples
+    # (the CPU one does not care): the variant must hand it only operands that keep the rule.
+    mod = variants["grouped_mm_v2"]
+    seen = []
+
+    def strict(a, b, offs=None, **kw):
+        for op in (a, b):
+            assert op.data_ptr() % 16 == 0, "start off the 16-byte grid"
+            assert all(s % 8 == 0 for s in op.stride() if s != 1), op.stride()
+        seen.append(1)
+        return torch.nn.functional.grouped_mm(a, b, offs=offs, **kw)
+
+    monkeypatch.setattr(mod, "_grouped_mm", strict)
+    x, gu, dn, w, ids, scale = inputs(9, 64, 16, 32, 8, 4)
+    ids = ids + 16 * offset_rank  # the second of two ranks holds experts 16..31
+    args = (*(_off_grid(a) for a in (x, gu, dn, w, ids)), scale, 16 * offset_rank)
+    assert not mod._grouped_ok(args[1])
+    want = contract.reference(x, gu, dn, w, ids, scale, 16 * offset_rank)
+    assert torch.equal(mod.run(*args).view(torch.int16), want.view(torch.int16))
+    assert seen
+
+
+@pytest.mark.parametrize("name", ["triton_v1", "grouped_mm_v1", "grouped_mm_v2"])
 def test_no_tokens_and_bad_inputs(variants, name) -> None:
     run = variants[name].run
     x, gu, dn, w, ids, scale = inputs(3, 32, 4, 16, 2, 0)
@@ -164,7 +199,7 @@ def test_the_policy_rejects_near_misses_and_a_dropped_slot() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["triton_v1", "grouped_mm_v1"])
+@pytest.mark.parametrize("name", ["triton_v1", "grouped_mm_v1", "grouped_mm_v2"])
 def test_verifies_through_the_harness(name) -> None:
     from autoopt.eval import default_shapes, verify_variant
 
@@ -180,14 +215,14 @@ RANK = {"H": 5120, "E": 256, "I": 320, "k": 8}
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 2, 4, 8, 16, 32, 64, 2048])
-@pytest.mark.parametrize("name", ["triton_v1", "grouped_mm_v1"])
+@pytest.mark.parametrize("name", ["triton_v1", "grouped_mm_v1", "grouped_mm_v2"])
 def test_rank_shapes_on_the_gpu(variants, name, t) -> None:
     args = inputs(t, RANK["H"], RANK["E"], RANK["I"], RANK["k"], t, "skewed", device="cuda")
     check(variants[name].run(*args), args)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["triton_v1", "grouped_mm_v1"])
+@pytest.mark.parametrize("name", ["triton_v1", "grouped_mm_v1", "grouped_mm_v2"])
 def test_captured_in_a_cuda_graph(variants, name) -> None:
     args = inputs(4, RANK["H"], 32, RANK["I"], RANK["k"], 0, "skewed", device="cuda")
     run = variants[name].run

@@ -49,7 +49,7 @@ def test_dry_run_checks_times_sweeps_and_writes(tmp_path, capsys):
     assert sorted(res["tokens"]) == ["1", "3"]
     for row in res["tokens"].values():
         assert all(c["pass"] for c in row["correct"].values())
-        assert {"reference", "grouped_mm_v1", "triton_v1"} <= set(row["time"])
+        assert {"reference", "grouped_mm_v2", "triton_v1"} <= set(row["time"])
         assert {r["stage"] for r in row["sweep"]} == {"A", "B", "G"}
         assert all(r["correct"]["pass"] for r in row["sweep"])
     md = (tmp_path / "results.md").read_text()

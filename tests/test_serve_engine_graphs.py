@@ -56,9 +56,9 @@ def test_decode_rows_match_per_sequence_attention(gen, window: int, dtype: torch
 def test_reference_moe_blocks_capture_and_a_locked_variant_does_not(tmp_path) -> None:
     assert uncapturable(OpTable()) == ["moe_experts runs its reference, which loops over the "
                                        "experts present (a host sync)"]
-    reg = lock_shipped(tmp_path / "registry", "moe_experts", "grouped_mm_v1", "cpu")
+    reg = lock_shipped(tmp_path / "registry", "moe_experts", "grouped_mm_v2", "cpu")
     ops, refused = resolve(reg)
-    assert not refused and ops.sources["moe_experts"].startswith("grouped_mm_v1")
+    assert not refused and ops.sources["moe_experts"].startswith("grouped_mm_v2")
     assert uncapturable(ops) == []
 
 

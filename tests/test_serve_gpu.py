@@ -1,6 +1,6 @@
 """On a CUDA GPU: decode steps captured in CUDA graphs give what the same padded forward gives
 eagerly, and whole generations with graphs equal those without. Capture needs a capturable
-moe_experts (the reference syncs with the host): these engines lock grouped_mm_v1."""
+moe_experts (the reference syncs with the host): these engines lock grouped_mm_v2."""
 
 from __future__ import annotations
 
@@ -32,10 +32,10 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def moe_lock(tmp_path_factory):
-    """A registry whose lock selects only moe_experts grouped_mm_v1 for this GPU's arch (every
+    """A registry whose lock selects only moe_experts grouped_mm_v2 for this GPU's arch (every
     other op: the reference); tests/test_kernels_moe.py verifies the variant itself."""
     root = tmp_path_factory.mktemp("registry")
-    return str(lock_shipped(root, "moe_experts", "grouped_mm_v1", current_arch("cuda")).root)
+    return str(lock_shipped(root, "moe_experts", "grouped_mm_v2", current_arch("cuda")).root)
 
 
 def gpu_engine(path, graphs: bool, registry: str | None = None) -> LLMEngine:
@@ -95,7 +95,7 @@ def test_generation_with_graphs_equals_eager(demo, prompts, moe_lock) -> None:
 
 
 def test_graph_engine_agrees_with_a_plain_eager_engine(demo, prompts, moe_lock) -> None:
-    # Without graphs the reference MoE runs (not grouped_mm_v1) and decode tables are as wide as
+    # Without graphs the reference MoE runs (not grouped_mm_v2) and decode tables are as wide as
     # the batch needs: BF16 results agree up to reduction order, so only the first token, from
     # the prefill logits, is compared exactly; the logits closely.
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=5, ignore_eos=True)

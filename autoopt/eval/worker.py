@@ -21,8 +21,10 @@ import importlib
 import importlib.util
 import os
 import random
+import select
 import socket
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -56,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     path = (argv or sys.argv[1:])[0]
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
+    leaving = threading.Event()
+    threading.Thread(target=_exit_with_judge, args=(sock.fileno(), leaving), daemon=True).start()
     state = _State("cpu")
     handlers = _handlers()
     while True:
@@ -71,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             reply = {"error": _text(f"{_type(e).__name__}: {e}"),
                      "trace": _text(traceback.format_exc()[-1500:])}
         reply["blocked"] = state.blocked()
+        if cmd == "exit":
+            leaving.set()  # the judge closes its end after this reply: exit the normal way
         wire.send(sock, reply)
         if cmd == "exit":
             if msg.get("clean"):  # under compute-sanitizer: let CUDA tear down, reports flush
@@ -81,6 +87,17 @@ def main(argv: list[str] | None = None) -> int:
             break
     sys.stdout.flush()
     os._exit(0)  # a candidate's atexit hooks and finalizers never run
+
+
+def _exit_with_judge(fd: int, leaving: threading.Event) -> None:
+    """End this process as soon as the judge's end of the socket closes (the judge exited or
+    was killed), even in the middle of a candidate's call: the worker runs in a session of its
+    own, so nothing else would stop it from holding the GPU's memory after its judge is gone."""
+    poller = select.poll()
+    poller.register(fd, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+    while not leaving.is_set():
+        if poller.poll(1000) and not leaving.is_set():
+            os._exit(3)
 
 
 def _text(s: str) -> str:

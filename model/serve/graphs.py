@@ -8,8 +8,8 @@ any context; the window tables as wide as one window needs.
 Capture needs every op to be free of host syncs. The reference `moe_experts` loops over the
 experts present (`unique().tolist()`), so while it is the selected implementation nothing is
 captured and the runner decodes eagerly, saying why; the registry's moe_experts variants
-(`grouped_mm_v1`, `triton_v1`) are capturable and are selected through the lock like any other
-kernel. A capture that still fails leaves the runner eager and says why.
+(`grouped_mm_v1`, `grouped_mm_v2`, `triton_v1`) are capturable and are selected through the
+lock like any other kernel. A capture that still fails leaves the runner eager and says why.
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ class DecodeGraphs:
         if blocked:
             msg = (f"CUDA graphs not captured, decoding eagerly: {'; '.join(blocked)}. Lock a "
                    "capturable variant for this GPU's arch: record it here first (e.g. "
-                   "`autoopt registry record moe_experts grouped_mm_v1 --device cuda`, then "
-                   "`autoopt registry accept moe_experts grouped_mm_v1`)")
+                   "`autoopt registry record moe_experts grouped_mm_v2 --device cuda`, then "
+                   "`autoopt registry accept moe_experts grouped_mm_v2`)")
             log.warning(msg)
             return [msg]
         pool = torch.cuda.graph_pool_handle()
