@@ -25,7 +25,7 @@ def variants():
     return {(op, name): reg.load_variant(op, name) for op, name in (
         ("attention", "triton_v1"), ("qkv_gate_proj", "triton_v1"),
         ("qk_norm_rope", "template_rows_v2"), ("qk_norm_ssmax", "template_rows_v2"),
-        ("gated_o_proj", "template_splitk_v1"))}
+        ("gated_o_proj", "template_splitk_v1"), ("gated_o_proj", "template_splitk_v2"))}
 
 
 def _verify(op: str, run, shapes: list[dict], config: dict | None = None, seeds=(0,)):
@@ -95,25 +95,27 @@ def test_qkv_gate_proj_triton_v1_passes_the_harness(variants, config):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", [{"SPLIT_K": 1, "BLOCK_N": 16, "BLOCK_K": 64},
-                                    {"SPLIT_K": 3, "BLOCK_N": 32, "BLOCK_K": 32}])
-def test_gated_o_proj_template_passes_the_harness(variants, config):
-    # 1 and 5 tokens through the gated GEMV (K = 6 heads x 16 in splits of whole and partial
-    # heads), 17 through the gate kernel and the library GEMM.
+                                    {"SPLIT_K": 3, "BLOCK_N": 32, "BLOCK_K": 32}, {}])
+@pytest.mark.parametrize("name", ["template_splitk_v1", "template_splitk_v2"])
+def test_gated_o_proj_template_passes_the_harness(variants, config, name):
+    # 1 token through the gated GEMV (v2: a multiply-reduce; K = 6 heads x 16 in splits of
+    # whole and partial heads), 5 through its 16-row dot, 17 through the gate kernel and the
+    # library GEMM; {} is the default config (v2: wide tiles, four splits).
     shapes = [{"T": t, "Hq": 6, "D": 16, "H": 80} for t in (1, 5, 17)]
-    reasons, _ = _verify("gated_o_proj", variants["gated_o_proj", "template_splitk_v1"].run,
-                         shapes, config)
+    reasons, _ = _verify("gated_o_proj", variants["gated_o_proj", name].run, shapes, config)
     assert reasons == [], reasons
 
 
-@pytest.mark.parametrize("t", [2, 19])
-def test_gated_o_proj_reads_heads_major_attention(variants, t):
+@pytest.mark.parametrize("t", [1, 2, 19])
+@pytest.mark.parametrize("name", ["template_splitk_v1", "template_splitk_v2"])
+def test_gated_o_proj_reads_heads_major_attention(variants, t, name):
     # Attention may hand back [T, Hq, D] with the heads outermost in memory: the same values in
     # another layout give the same bits, on both paths.
     c = contract("gated_o_proj")
     attn, gate, bias, w = c.make_inputs({"T": t, "Hq": 3, "D": 32, "H": 48}, 5)
     heads_major = attn.transpose(0, 1).contiguous().transpose(0, 1)
     gate_slice = torch.cat([gate, gate], dim=-1)[..., :32]  # a column slice, as from the GEMM
-    run = variants["gated_o_proj", "template_splitk_v1"].run
+    run = variants["gated_o_proj", name].run
     want = run(attn, gate, bias, w)
     assert torch.equal(run(heads_major, gate_slice, bias, w), want)
     assert (want.float() - c.reference(attn, gate, bias, w).float()).abs().max() < 0.05

@@ -10,8 +10,12 @@ activation, column c = head * D + d of K = Hq * D:
     a  = bf( f32(attn) * f32(s) )             rounded to BF16 before the product, as the reference
     out[T, H] = bf( a[T, K] @ W[H, K]^T )     FP32 accumulator, one rounding
 The gate is recomputed by every N tile from its K chunk (T * K elements, from L2) so that a never
-makes a round trip through memory; only the order of the K reduction differs from cuBLAS
-(BLOCK_K-wide dots left to right within a split, the SPLIT_K partials summed in split order by the
+makes a round trip through memory: that costs N / BLOCK_N times the gate's own work, and more
+than the weight stream itself when tiles are narrow or rows padded (on an H200 the kernel took
+60 us at BLOCK_N=16 and 18 us at BLOCK_N=64, SPLIT_K=4, against 12 us for the reference), so
+one token runs a multiply-reduce over its own row only, and wide tiles are the default; tl.dot
+(from 2 tokens) needs 16 rows. Only the order of the K reduction differs from cuBLAS
+(BLOCK_K-wide dots or sums left to right within a split, the SPLIT_K partials summed in split order by the
 last program of each N tile, which takes an atomic ticket after its partial is stored: one
 launch, deterministic). The divide is `div_rn` and exp libdevice's expf on the GPU.
 At decode the op is a weight stream: the floor is H * K * 2 bytes (7.9 MB at Beam's TP8 rank,
@@ -29,9 +33,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-CONFIG_SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_K": [64, 128, 256], "SPLIT_K": [1, 2, 3, 4],
-                "num_warps": [2, 4, 8]}
-DEFAULT_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 2, "num_warps": 4}
+CONFIG_SPACE = {"BLOCK_N": [16, 32, 64, 128], "BLOCK_K": [64, 128, 256],
+                "SPLIT_K": [1, 2, 3, 4, 6, 8], "num_warps": [2, 4, 8]}
+DEFAULT_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 4}
 GEMV_MAX_TOKENS = 16
 GATE_BLOCK = 1024
 _TICKETS: dict[tuple[str, int], torch.Tensor] = {}
@@ -86,7 +90,10 @@ def _gated_o_proj_gemv_kernel(attn_ptr, gate_ptr, bias_ptr, w_ptr, out_ptr, part
                    st_gh, D, ON_GPU)
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :],
                     mask=cmask[:, None] & kmask[None, :], other=0.0)
-        acc += _dot(x, tl.trans(w), ON_GPU)
+        if BLOCK_T == 1:  # one token: a multiply-reduce, the gate of that row only
+            acc += tl.sum(_bf16_to_f32(x) * _bf16_to_f32(w), axis=1)[None, :]
+        else:  # tl.dot takes 16 rows: the gate runs on all of them, the padding masked
+            acc += _dot(x, tl.trans(w), ON_GPU)
     out = out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
     omask = rmask[:, None] & cmask[None, :]
     if SPLIT_K == 1:
@@ -163,8 +170,8 @@ def gemv(attn, gate, bias, weight, block_n: int, block_k: int, split_k: int,
                        device=attn.device)
     _gated_o_proj_gemv_kernel[(tiles, split_k)](
         attn, gate, bias, weight, out, part, _tickets(attn.device, tiles), t, n, k,
-        *_strides(attn, gate), D=d, BLOCK_T=16, BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT_K=split_k, ON_GPU=attn.is_cuda, num_warps=num_warps)
+        *_strides(attn, gate), D=d, BLOCK_T=1 if t == 1 else 16, BLOCK_N=block_n,
+        BLOCK_K=block_k, SPLIT_K=split_k, ON_GPU=attn.is_cuda, num_warps=num_warps)
     return out
 
 
