@@ -95,18 +95,46 @@ def _pairwise_sum(x, gate_up, down, weights, ids, scale, expert_offset=0):
     return s[:, 0].to(x.dtype) * scale
 
 
+def slot_sizes(x, gate_up, down, ids, expert_offset: int = 0) -> torch.Tensor:
+    """[T, k, H] FP32 max(|d_k|, sqrt(sum_i (a_i down[h, i])^2)): the size of each slot's
+    output, or of the terms its down GEMM adds where they cancel (zero where held elsewhere).
+    The root-sum-square is the scale a dot product's rounding differences move by: a GEMM in
+    another K order flips a few BF16 roundings of gu (so of a) and of d_k, each by one ulp of
+    its own term, and those add up like a random walk over the terms, not over |d_k|."""
+    t, k = ids.shape
+    out = torch.zeros(t, k, x.shape[1], dtype=torch.float32, device=x.device)
+    local = ids - expert_offset
+    for e in torch.unique(local).tolist():
+        if not 0 <= e < gate_up.shape[0]:
+            continue
+        tok, slot = torch.where(local == e)
+        gu = F.linear(x[tok], gate_up[e])
+        inter = gu.shape[-1] // 2
+        a = swiglu(gu[:, :inter], gu[:, inter:]).float()
+        w = down[e].float()
+        d = F.linear(a, w)
+        out[tok, slot] = torch.maximum(d.abs(), F.linear(a * a, w * w).sqrt())
+    return out
+
+
 def combine_magnitude(x, gate_up, down, weights, ids, scale: float, expert_offset: int = 0):
-    """[T, H] FP32 scale * sum_k |f32(d_k) * w_k|: the size of the terms the combine adds."""
-    slots = expert_slots(x, gate_up, down, ids, expert_offset)
-    return (slots.float() * weights.unsqueeze(-1)).abs().sum(dim=1) * scale
+    """[T, H] FP32 scale * sum_k |w_k| * slot_sizes_k: the size of the terms the combine adds,
+    each slot counted at least at its GEMM's terms' scale (both sums cancel)."""
+    sizes = slot_sizes(x, gate_up, down, ids, expert_offset)
+    return (sizes * weights.float().abs().unsqueeze(-1)).sum(dim=1) * scale
 
 
 NUMERICS = Numerics(
     kind="ulp",
-    # Ulps counted at max(|ref|, combine_magnitude): the slot outputs cancel, so a GEMM in
-    # another K order (any library but the reference's own cuBLAS call) that flips one rounding
-    # of gu or d_k moves a near-zero output by up to hundreds of its own ulps, yet by a few ulps
-    # at the terms' scale. Calibrated on the GPU, where the reference's per-expert cuBLAS GEMMs
+    # Ulps counted at max(|ref|, combine_magnitude): the slot outputs cancel, and so do the
+    # terms of each slot's down GEMM, so a GEMM in another K order (any library but the
+    # reference's own cuBLAS call) that flips one rounding of gu or d_k moves a near-zero output
+    # by up to hundreds of its own ulps, yet by a few ulps at the terms' scale. Each slot counts
+    # at least at the root-sum-square of its GEMM's terms: without that, rows where one slot is
+    # held on this rank (expert parallelism; the combine cannot hide a small d_k there) showed
+    # up to 9239 ulps on an H200 for an honest kernel (a model of one-ulp flips in 1-5% of gu
+    # and d_k values: 280-2269 ulps before, at most 4 after; tests/test_kernels_moe.py).
+    # Calibrated on the GPU, where the reference's per-expert cuBLAS GEMMs
     # round gu and d_k differently from any other kernel (H200, a TP8 rank's shapes, skewed
     # routing, T = 1..2048): two independent implementations (a fused Triton kernel and torch's
     # grouped_mm) agreed with each other and differed from the reference by up to 3 ulps at the
@@ -123,7 +151,8 @@ NUMERICS = Numerics(
         "scale_in_weights": _scale_in_weights,
         "pairwise_sum": _pairwise_sum,
     },
-    note="ulps at the scale of the combined terms (combine_magnitude), not of the output alone",
+    note=("ulps at the scale of the combined terms (combine_magnitude: each slot at least at the "
+          "root-sum-square of its down GEMM's terms), not of the output alone"),
     magnitude=combine_magnitude,
 )
 
