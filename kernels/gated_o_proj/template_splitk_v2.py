@@ -16,9 +16,9 @@ than the weight stream itself when tiles are narrow or rows padded (on an H200 t
 60 us at BLOCK_N=16 and 18 us at BLOCK_N=64, SPLIT_K=4, against 12 us for the reference), so
 one token runs a multiply-reduce over its own row only, and wide tiles are the default; tl.dot
 (from 2 tokens) needs 16 rows. Only the order of the K reduction differs from cuBLAS
-(BLOCK_K-wide dots or sums left to right within a split, the SPLIT_K partials summed in split order by the
-last program of each N tile, which takes an atomic ticket after its partial is stored: one
-launch, deterministic). The divide is `div_rn` and exp libdevice's expf on the GPU.
+(BLOCK_K-wide dots or sums left to right within a split, the SPLIT_K partials summed in split
+order by the last program of each N tile, which takes an atomic ticket after its partial is
+stored: one launch, deterministic). The divide is `div_rn` and exp libdevice's expf on the GPU.
 At decode the op is a weight stream: the floor is H * K * 2 bytes (7.9 MB at Beam's TP8 rank,
 ~1.9 us on an H200). Above GEMV_MAX_TOKENS rows the weight is reused across tokens and cuBLAS's
 tiled GEMM wins: the gate is one elementwise launch and the GEMM the reference's own call.
