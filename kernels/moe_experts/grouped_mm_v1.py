@@ -1,6 +1,6 @@
 """moe_experts grouped_mm_v1 (hand-written, torch): the contract with static shapes, capturable.
 
-Formula (NUMERICS.md "MoE combine"): the (token, slot) pairs sorted by expert (a stable argsort
+Formula (docs/numerics.md "MoE combine"): the (token, slot) pairs sorted by expert (a stable argsort
 of the local expert id; pairs naming experts held elsewhere sort last, past every group), then
     gu = bf( grouped_mm(x[pairs], gate_up^T) )       one BF16 rounding per GEMM output
     a  = bf( silu(f32(gu[:I])) * f32(gu[I:]) )        torch's silu, one rounding

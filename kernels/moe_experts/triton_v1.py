@@ -1,6 +1,6 @@
 """moe_experts triton_v1 (hand-written): fused routed experts, two launches at decode.
 
-Formula (NUMERICS.md "MoE combine", "Dense SwiGLU"), per (token t, slot j), e = ids[t,j] - offset:
+Formula (docs/numerics.md "MoE combine", "SwiGLU"), per (token t, slot j), e = ids[t,j] - offset:
     gu  = bf( x[t] @ gate_up[e]^T )                        FP32 accumulation, one rounding
     a   = bf( f32(gu[:I]) / (1 + expf(-f32(gu[:I]))) * f32(gu[I:]) )     torch's silu, one rounding
     d_j = bf( a @ down[e]^T )                              FP32 accumulation, one rounding
