@@ -232,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def verified(op: str, name: str, report: dict) -> None:  # written now, timed later
         out = out_registry(reg, args.out, op, name)
-        record_evidence(out, op, name, device, report, [], args.agent)
+        # Into the registry too, so that a call cut off before the timing keeps the verdict
+        # (a later call times it with --bench-only).
+        for dst in (out, reg) if args.write_registry else (out,):
+            record_evidence(dst, op, name, device, report, [], args.agent)
         print(f"{op}/{name}: {report['verdict']} after {time.monotonic() - start:.0f} s "
               f"{'; '.join(report['reasons'][:2])}", flush=True)
 
@@ -266,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
             rows, bench_error = [], str(exc)
         out = out_registry(reg, args.out, op, name)
         for dst in (out, reg) if args.write_registry else (out,):
-            if report.get("earlier"):  # keep its verification, add this GPU's rows
+            # The verification is already in the record (earlier, or in `verified` above
+            # when the registry is written): add this GPU's rows to it.
+            if report.get("earlier") or args.write_registry:
                 writers.record(dst, op, name, [], rows, args.agent)
             else:
                 record_evidence(dst, op, name, device, report, rows, args.agent)

@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 from model.registry import Registry, sha256, shipped_root
 
 DEFAULT_ROOT = shipped_root()
@@ -22,7 +24,8 @@ def load_script():
 def test_dry_run_verifies_times_and_writes_records(tmp_path, capsys):
     script = load_script()
     # Two ops (a norm and an elementwise op) keep it short; the logic is the same for all five.
-    code = script.main(["--dry-run", "--ops", "rmsnorm,swiglu", "--out", str(tmp_path)])
+    code = script.main(["--dry-run", "--ops", "rmsnorm,swiglu", "--variants", "triton_v1",
+                        "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0, out
     out_reg = Registry(tmp_path)  # $OUT is a registry, written by the registry's own writer
@@ -64,6 +67,38 @@ def test_bench_only_times_a_variant_verified_earlier_and_keeps_its_verification(
     committed = Registry(DEFAULT_ROOT).read_record("rmsnorm", "triton_v1")
     assert rec.verification == committed.verification  # kept, not made again
     assert [b.shape["T"] for b in rec.benchmarks if b.gpu == "cpu"] == [1, 3]
+
+
+def test_a_verdict_reaches_the_registry_before_the_timing(tmp_path, monkeypatch, capsys):
+    # A stage cut off while timing must keep the verdict where `--bench-only` finds it.
+    import shutil
+
+    script = load_script()
+    reg_root = tmp_path / "reg"
+    shutil.copytree(DEFAULT_ROOT / "rmsnorm", reg_root / "rmsnorm")
+    before = Registry(reg_root).read_record("rmsnorm", "triton_v1")
+
+    def cut_off(*args, **kwargs):
+        raise KeyboardInterrupt("the stage's time ran out")
+
+    monkeypatch.setattr(script, "bench", cut_off)
+    with pytest.raises(KeyboardInterrupt):
+        script.main(["--dry-run", "--ops", "rmsnorm", "--variants", "triton_v1",
+                     "--registry", str(reg_root), "--write-registry",
+                     "--out", str(tmp_path / "out")])
+    rec = Registry(reg_root).read_record("rmsnorm", "triton_v1")
+    made = rec.verification["cpu"][-1]
+    assert made.verdict == "pass" and made.report != before.verification["cpu"][-1].report
+    # Timed in a later call: the verdict is kept and the rows join it.
+    monkeypatch.undo()
+    script = load_script()
+    code = script.main(["--dry-run", "--ops", "rmsnorm", "--bench-only", "rmsnorm/triton_v1",
+                        "--registry", str(reg_root), "--write-registry",
+                        "--out", str(tmp_path / "out2")])
+    assert code == 0, capsys.readouterr().out
+    after = Registry(reg_root).read_record("rmsnorm", "triton_v1")
+    assert after.verification == rec.verification
+    assert [b.shape["T"] for b in after.benchmarks if b.gpu == "cpu"][-2:] == [1, 3]
 
 
 def test_bench_only_refuses_a_variant_without_a_passing_verification_here(tmp_path, capsys):
