@@ -10,6 +10,8 @@ like. Input seeds come from a secret drawn per call.
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,8 @@ import torch
 
 from .plan import Secret
 from .timing import BenchRow, Timing, floor_us, git_commit, measure_ceilings, time_callable
+
+log = logging.getLogger("autoopt.eval")  # one line per timed shape: where a slow bench spends
 
 
 def _sets(c: Any, shape: dict, device: str, secret: Secret):
@@ -77,10 +81,14 @@ def bench_op(op: str, variant_source: Path | None, shapes: list[dict], device: s
         ceilings = measure_ceilings(device)
         base = []
         for shape in shapes:
+            t0 = time.monotonic()
             ref = time_callable(c.reference, _sets(c, shape, device, secret), device=device,
                                 warmup=warmup, iters=iters)
             comp, note = _time_compile(c, shape, device, warmup, iters, secret, compile)
             base.append((dict(shape), ref, comp, note))
+            log.info("%s: reference%s timed at %s in %.1f s", c.name,
+                     " and torch.compile" if comp else "", _label(shape),
+                     time.monotonic() - t0)
         if text is None:
             return [_row(c, "reference", s, r, r, comp, note, ceilings, env, device)
                     for s, r, comp, note in base]
@@ -109,13 +117,22 @@ def _time_candidate(c: Any, text: bytes, shapes: list[dict], device: str, warmup
             j = Judge(c, w, device, palette_bits(palettes))
             from .timing import time_in_worker
 
-            out = [time_in_worker(j, s, secret, warmup=warmup, iters=iters) for s in shapes]
+            out = []
+            for s in shapes:
+                t0 = time.monotonic()
+                out.append(time_in_worker(j, s, secret, warmup=warmup, iters=iters))
+                log.info("%s: candidate timed at %s in %.1f s", c.name, _label(s),
+                         time.monotonic() - t0)
             blocked = w.request({"cmd": "ping"})["blocked"]
         except WorkerError as e:
             raise RuntimeError(f"benchmark of {c.name} failed in its worker: {e}") from None
     if blocked:
         raise RuntimeError(f"the variant attempted blocked operations: {blocked[:3]}")
     return out
+
+
+def _label(shape: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in shape.items())
 
 
 def _row(c: Any, impl: str, shape: dict, t: Timing, ref: Timing, comp: Timing | None,
