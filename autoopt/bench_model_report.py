@@ -63,6 +63,12 @@ def markdown(res: BenchResult) -> str:
             f"{r.tokens_per_s:,.0f} | {r.floor_ms:.3f} | {r.x_floor:.1f} | "
             f"{_f(r.kernels_per_step, 'd')} | {_f(r.kernels_per_layer, '.0f')} | "
             f"{_speed(r, first)} | {parity} |")
+    if any(r.parity for r in res.rows):
+        lines += ["", f"Parity: the recorded step's logits against {first}'s (top-1 token, "
+                  "largest difference). With random weights one BF16 ulp anywhere changes the "
+                  "top-1 token of most prompts after 52 layers (the routing picks another "
+                  "expert; `benchmarks/parity_sensitivity.py`), so a set that is not bitwise the "
+                  "first differs there without being wrong; the judge checks each kernel."]
     lines += ["", "## Floors", "", "| context/batch | weights GB | experts touched per MoE layer "
               "(mean of held) | KV GB | bound |", "|---|---:|---|---:|---|"]
     for key, f in res.floors.items():
