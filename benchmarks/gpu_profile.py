@@ -99,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="cpu-tiny on the CPU (tests)")
     p.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget")
     p.add_argument("--before-lock", default=None, help="a lock file to compare against")
+    p.add_argument("--baseline", default="reference",
+                   help="the decode set the others are compared with: reference, or a lock file "
+                        "(benchmarks/moe-only.lock.toml: the reference kernels with a capturable "
+                        "MoE, so that the baseline is replayed from a CUDA graph as the server "
+                        "would; the reference MoE syncs with the host and runs eagerly)")
     p.add_argument("--skip-compile", action="store_true", help="no torch.compile stage")
     p.add_argument("--proxy", action="store_true", help="allow a GPU other than the H200")
     a = p.parse_args(argv)
@@ -106,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cfg = DRY if a.dry_run else GPU
     run = Run(out, a.budget_s, a.proxy)
-    sets = ("reference", "tuned") + ((a.before_lock,) if a.before_lock else ())
+    sets = (a.baseline, "tuned") + ((a.before_lock,) if a.before_lock else ())
     target, batches, ctxs, long_batches, long_ctx = cfg["decode"]
     decode = run.stage("decode bench", lambda: _bench(
         run, "bench_decode", target, batches, ctxs, sets, run.share("decode")))

@@ -9,7 +9,10 @@
 # SUITE_S bounds the whole call: each stage runs under the smaller of its own limit and what is
 # left of SUITE_S (less 20 s for packing), so a stage that finishes early leaves its time to the
 # next, and a stage with no time left is skipped and says so. A stage's command sees its own
-# limit as STAGE_S (bench-step sizes its --budget from it).
+# limit as STAGE_S (bench-step and bench-model size their budgets from it). Both compare the tuned
+# set with benchmarks/moe-only.lock.toml (the reference kernels with a capturable MoE, replayed
+# from a CUDA graph as served) unless STEP_SETS / PROFILE_ARGS say otherwise: the reference MoE
+# syncs with the host, so the reference set runs eagerly, at hundreds of ms per step.
 #
 # Packages the machine lacks travel as wheels: .whl/*.whl (small ones), .whl-fi/*.whl
 # (FlashInfer) are installed into a scratch site directory first. nvidia-cutlass-dsl is too large
@@ -39,8 +42,8 @@ declare -A STAGES=(
   [router]="python3 benchmarks/router_cute_gpu.py --out \$R/router \${ROUTER_ARGS:-}"
   [attention]="python3 benchmarks/attention_gpu.py --out \$R/attention \${ATTENTION_ARGS:-}"
   [eval]="python3 benchmarks/eval_harness_gpu.py --out \$R/eval \${EVAL_ARGS:-}"
-  [bench-model]="python3 benchmarks/gpu_profile.py --out \$R/bench-model \${PROFILE_ARGS:-}"
-  [bench-step]="python3 -m autoopt.cli bench model --target h200-tp8-decode --context 8192 --kernels reference,tuned --row-s 8 --budget \$((STAGE_S - 45))s --out \$R/bench-step \${STEP_ARGS:-}"
+  [bench-model]="python3 benchmarks/gpu_profile.py --out \$R/bench-model --budget-s \$((STAGE_S - 30)) \${PROFILE_ARGS:---baseline benchmarks/moe-only.lock.toml}"
+  [bench-step]="python3 -m autoopt.cli bench model --target h200-tp8-decode --context 8192 --kernels \${STEP_SETS:-benchmarks/moe-only.lock.toml,tuned} --row-s 8 --budget \$((STAGE_S - 45))s --out \$R/bench-step \${STEP_ARGS:-}"
   [agents]="python3 benchmarks/agents_gpu.py --out \$R/agents"
   [accept]="python3 benchmarks/gpu_accept.py \${ACCEPT_ARGS:-} && mkdir -p \$R/registry-after && cp -r kernels/. \$R/registry-after/"
   [batch-invariant]="python3 benchmarks/batch_invariant_bench.py --out \$R/batch-invariant \${BI_ARGS:-}"
