@@ -95,6 +95,8 @@ def _snippets(family: str) -> dict[str, tuple[str, list[str]]]:
                 names.append(node.name)
             elif isinstance(node, ast.Assign):
                 names += [t.id for t in node.targets if isinstance(t, ast.Name)]
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names.append(node.target.id)
         out[m.group(1)] = (m.group(2), names)
     return out
 

@@ -11,6 +11,7 @@ that uses it: the registry then holds it as new code, to be verified again.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
@@ -58,4 +59,46 @@ def _dot(a, b, ON_GPU: tl.constexpr):
         return tl.dot(a, b)
     else:
         return tl.dot(_bf16_to_f32(a), _bf16_to_f32(b), input_precision="ieee")
+# {{end}}
+
+
+# The split-K epilogue of the GEMV families: with one split the FP32 tile is rounded and stored;
+# otherwise the partial goes to part_ptr ([SPLIT_K, T, N] FP32), and the last of the SPLIT_K
+# programs of N tile `tile` (an atomic ticket, taken after its partial is stored) sums the
+# partials in split order, rounds once and re-arms the ticket: one launch, deterministic.
+# Needs f32_to_bf16 above it.
+# {{snippet splitk_store}}
+@triton.jit
+def _splitk_store(acc, out_ptr, part_ptr, ticket_ptr, tile, split, rows, cols, omask, T, N,
+                  SPLIT_K: tl.constexpr):
+    out = out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, _f32_to_bf16(acc), mask=omask)
+    else:
+        part = part_ptr + (split * T + rows[:, None]).to(tl.int64) * N + cols[None, :]
+        tl.store(part, acc, mask=omask)
+        tl.debug_barrier()  # every thread's partial is stored before the ticket is taken
+        ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:  # the last split of this tile: sum in split order, round once
+            first = part_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
+            total = tl.load(first, mask=omask, other=0.0, cache_modifier=".cg")
+            for i in tl.static_range(1, SPLIT_K):
+                total += tl.load(first + i * T * N, mask=omask, other=0.0, cache_modifier=".cg")
+            tl.store(out, _f32_to_bf16(total), mask=omask)
+            tl.atomic_xchg(ticket_ptr + tile, 0)  # ready for the next call (and graph replay)
+# {{end}}
+
+
+# The tickets of splitk_store, one int32 per N tile.
+# {{snippet tickets}}
+_TICKETS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, n: int) -> torch.Tensor:
+    # Zeroed once per (device, size), reset by the kernel itself: no memset launch per call, and
+    # a captured CUDA graph keeps the pointer it recorded.
+    key = (str(device), n)
+    if key not in _TICKETS:
+        _TICKETS[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return _TICKETS[key]
 # {{end}}

@@ -38,7 +38,6 @@ CONFIG_SPACE = {"BLOCK_N": [16, 32, 64, 128], "BLOCK_K": [64, 128, 256],
 DEFAULT_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 4}
 GEMV_MAX_TOKENS = 16
 GATE_BLOCK = 1024
-_TICKETS: dict[tuple[str, int], torch.Tensor] = {}
 
 
 # {{common.bf16_to_f32}}: _bf16_to_f32
@@ -51,6 +50,12 @@ _TICKETS: dict[tuple[str, int], torch.Tensor] = {}
 
 
 # {{common.dot}}: _dot
+
+
+# {{common.splitk_store}}: _splitk_store
+
+
+# {{common.tickets}}: _TICKETS, _tickets
 
 
 @triton.jit
@@ -94,22 +99,8 @@ def _gated_o_proj_gemv_kernel(attn_ptr, gate_ptr, bias_ptr, w_ptr, out_ptr, part
             acc += tl.sum(_bf16_to_f32(x) * _bf16_to_f32(w), axis=1)[None, :]
         else:  # tl.dot takes 16 rows: the gate runs on all of them, the padding masked
             acc += _dot(x, tl.trans(w), ON_GPU)
-    out = out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
-    omask = rmask[:, None] & cmask[None, :]
-    if SPLIT_K == 1:
-        tl.store(out, _f32_to_bf16(acc), mask=omask)
-    else:
-        part = part_ptr + (split * T + rows[:, None]).to(tl.int64) * N + cols[None, :]
-        tl.store(part, acc, mask=omask)
-        tl.debug_barrier()  # every thread's partial is stored before the ticket is taken
-        ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT_K - 1:  # the last split of this tile: sum in split order, round once
-            first = part_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
-            total = tl.load(first, mask=omask, other=0.0, cache_modifier=".cg")
-            for i in tl.static_range(1, SPLIT_K):
-                total += tl.load(first + i * T * N, mask=omask, other=0.0, cache_modifier=".cg")
-            tl.store(out, _f32_to_bf16(total), mask=omask)
-            tl.atomic_xchg(ticket_ptr + tile, 0)  # ready for the next call (and graph replay)
+    _splitk_store(acc, out_ptr, part_ptr, ticket_ptr, tile, split, rows, cols,
+                  rmask[:, None] & cmask[None, :], T, N, SPLIT_K)
 
 
 @triton.jit
@@ -141,15 +132,6 @@ def _check(attn, gate, bias, weight) -> None:
     if len({attn.device, gate.device, bias.device, weight.device}) != 1:
         raise ValueError(f"inputs on different devices: {attn.device}, {gate.device}, "
                          f"{bias.device}, {weight.device}")
-
-
-def _tickets(device: torch.device, n: int) -> torch.Tensor:
-    # Zeroed once per (device, size), reset by the kernel itself: no memset launch per call, and
-    # a captured CUDA graph keeps the pointer it recorded.
-    key = (str(device), n)
-    if key not in _TICKETS:
-        _TICKETS[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return _TICKETS[key]
 
 
 def _strides(attn, gate) -> tuple[int, int, int, int]:

@@ -26,7 +26,6 @@ CONFIG_SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_K": [128, 256, 512], "SPLIT_K": 
                 "num_warps": [2, 4, 8]}
 DEFAULT_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4}
 GEMV_MAX_TOKENS = 16
-_TICKETS: dict[tuple[str, int], torch.Tensor] = {}
 
 
 # {{common.bf16_to_f32}}: _bf16_to_f32
@@ -36,6 +35,12 @@ _TICKETS: dict[tuple[str, int], torch.Tensor] = {}
 
 
 # {{common.dot}}: _dot
+
+
+# {{common.splitk_store}}: _splitk_store
+
+
+# {{common.tickets}}: _TICKETS, _tickets
 
 
 @triton.jit
@@ -58,22 +63,8 @@ def _qkv_gate_proj_gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, T, N
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :],
                     mask=cmask[:, None] & kmask[None, :], other=0.0)
         acc += _dot(x, tl.trans(w), ON_GPU)
-    out = out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
-    omask = rmask[:, None] & cmask[None, :]
-    if SPLIT_K == 1:
-        tl.store(out, _f32_to_bf16(acc), mask=omask)
-    else:
-        part = part_ptr + (split * T + rows[:, None]).to(tl.int64) * N + cols[None, :]
-        tl.store(part, acc, mask=omask)
-        tl.debug_barrier()  # every thread's partial is stored before the ticket is taken
-        ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT_K - 1:  # the last split of this tile: sum in split order, round once
-            first = part_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
-            total = tl.load(first, mask=omask, other=0.0, cache_modifier=".cg")
-            for i in tl.static_range(1, SPLIT_K):
-                total += tl.load(first + i * T * N, mask=omask, other=0.0, cache_modifier=".cg")
-            tl.store(out, _f32_to_bf16(total), mask=omask)
-            tl.atomic_xchg(ticket_ptr + tile, 0)  # ready for the next call (and graph replay)
+    _splitk_store(acc, out_ptr, part_ptr, ticket_ptr, tile, split, rows, cols,
+                  rmask[:, None] & cmask[None, :], T, N, SPLIT_K)
 
 
 def split(out: torch.Tensor, num_heads: int, num_kv_heads: int):
@@ -95,15 +86,6 @@ def _check(x: torch.Tensor, weight: torch.Tensor, num_heads: int, num_kv_heads: 
                          f"2*{num_kv_heads}) heads of one head_dim")
     if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         raise ValueError(f"bf16 x and weight expected, got {x.dtype}, {weight.dtype}")
-
-
-def _tickets(device: torch.device, n: int) -> torch.Tensor:
-    # Zeroed once per (device, size), reset by the kernel itself: no memset launch per call, and
-    # a captured CUDA graph keeps the pointer it recorded.
-    key = (str(device), n)
-    if key not in _TICKETS:
-        _TICKETS[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return _TICKETS[key]
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int, split_k: int,
