@@ -128,6 +128,57 @@ def test_a_near_miss_inside_the_candidates_own_error_is_no_verdict():
     assert judged(5, 5, 0) == "not distinguishable on these inputs"
 
 
+def _ssmax_kernels():
+    from model.ops import qk_norm_ssmax as op
+    from model.ops.rmsnorm import reference as rmsnorm
+
+    def libm_low(q, k, v, qw, kw, positions, eps, k_cache, v_cache, slots):
+        # Honest: another exp/log1p, its tau one FP32 ulp below torch's.
+        tau = op.ssmax_scale(positions)
+        tau = torch.nextafter(tau, torch.zeros_like(tau))
+        q_out = (rmsnorm(q, qw, eps).float() * tau[:, None, None]).to(q.dtype)
+        return (q_out, *op.reference(q, k, v, qw, kw, positions, eps, k_cache, v_cache,
+                                     slots)[1:])
+
+    def zero_based(q, k, v, qw, kw, positions, eps, k_cache, v_cache, slots):
+        return op.reference(q, k, v, qw, kw, positions - 1, eps, k_cache, v_cache, slots)
+
+    return libm_low, zero_based
+
+
+def test_the_zero_based_position_decides_only_where_libm_cannot_be_it():
+    # Near 1M a zero-based position moves tau by an ulp or two, as another libm does: an honest
+    # kernel's tau one ulp low can be the zero-based one and round every element the near miss
+    # rounds (an honest template was rejected so at T=392, 7 elements). There the near miss is
+    # the reference; nearer the start a kernel that uses the zero-based position is rejected.
+    from autoopt.eval.trials import Case, as_tuple, fresh
+
+    c = contract("qk_norm_ssmax")
+    shape = {"T": 392, "Hq": 6, "Hkv": 1, "D": 128, "page": 4}
+    libm_low, zero_based = _ssmax_kernels()
+
+    def status(start: int, kernel) -> str:
+        args = list(c.make_inputs(shape, 0))
+        args[5] = torch.arange(start, start + shape["T"])
+        args = tuple(args)
+        near = {n: as_tuple(fn(*fresh(args))) for n, fn in c.numerics.near_misses.items()}
+        j = Judge(c, None, "cpu", {})
+        case = Case("T=392", shape, 0, None, args, as_tuple(c.reference(*fresh(args))), near)
+        j._near(case, as_tuple(kernel(*fresh(args))))
+        return judge_near_misses(j)[1]["by_name"]["zero_based_position"]["status"]
+
+    assert status(600_000, libm_low) == "not distinguishable on these inputs"
+    assert status(1_000, libm_low) == status(100_000, libm_low) == "closer to the reference"
+    assert status(1_000, zero_based) == status(100_000, zero_based) == "closer to the near miss"
+
+
+def test_a_kernel_using_the_zero_based_position_is_rejected_by_name():
+    _, zero_based = _ssmax_kernels()
+    for n in range(3):
+        reasons = session("qk_norm_ssmax", zero_based, secret=Secret(n.to_bytes(16, "big")))[0]
+        assert any("closer to near miss 'zero_based_position'" in r for r in reasons), reasons
+
+
 def _swiglu(gate, up):
     return (torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype)
 
@@ -358,6 +409,63 @@ def test_some_inputs_arrive_as_the_first_rows_of_a_larger_allocation():
         return out * 2 if big else out
 
     assert session("swiglu", static_buffer_is_served)[0]
+
+
+def _layout_of(d: dict, row: int) -> str:
+    if d.get("tail"):
+        return "tail"
+    return {0: "contiguous", row: "row", 2 * row: "rows"}.get(d.get("pad", 0), "elements")
+
+
+def test_every_run_judges_every_layout_on_inputs_of_several_rows():
+    # Drawn at random per put, a layout could be missing from a whole run's judged calls: a
+    # cheat exact unless rows sit a row length or more apart passed about one run in 30 (no
+    # judged call of several rows got such a view; at most burst sets outside the sample did).
+    # Dealt, every len(LAYOUTS) puts of several rows hold each layout, whatever is put between.
+    import random
+
+    from autoopt.eval.trials import LAYOUTS
+
+    class Handing:  # what each put hands over
+        def __init__(self) -> None:
+            self.puts: list[list[dict]] = []
+
+        def pack(self, args):
+            return [{} for _ in args]
+
+        def request(self, msg):
+            self.puts.append(msg["args"])
+            return {}
+
+    c = contract("swiglu")
+    rows, one = c.make_inputs({"T": 5, "I": 320}, 0), c.make_inputs({"T": 1, "I": 320}, 1)
+    for seed in range(20):
+        w, mix = Handing(), random.Random(seed)
+        j = Judge(c, w, "cpu", {}, rng=random.Random(seed))
+        dealt = []
+        for _ in range(3 * len(LAYOUTS)):
+            for _ in range(mix.randint(0, 2)):  # decode-sized puts and burst sets between
+                j.put(one)
+                j.put(rows, judged=False)
+            j.put(rows)
+            dealt.append(_layout_of(w.puts[-1][0], 320))
+        for k in range(0, len(dealt), len(LAYOUTS)):
+            assert sorted(dealt[k:k + len(LAYOUTS)]) == sorted(LAYOUTS), (seed, dealt)
+    w = Handing()
+    Judge(c, w, "cpu", {}).put(rows)  # without an rng (races, bench): as given
+    assert _layout_of(w.puts[-1][0], 320) == "contiguous"
+
+
+def test_a_cheat_on_servings_column_slices_is_rejected_in_runs_that_once_missed_them():
+    def served_slices_cheat(gate, up):  # the fast near miss where rows sit a row length apart
+        if gate.shape[0] > 1 and gate.stride(0) >= 2 * gate.shape[1]:
+            return torch.nn.functional.silu(gate) * up
+        return _swiglu(gate, up)
+
+    # Secrets whose runs, before the layouts were dealt, judged no such view of several rows.
+    for n in (40, 50, 59, 65):
+        reasons = session("swiglu", served_slices_cheat, secret=Secret(n.to_bytes(16, "big")))[0]
+        assert reasons, n
 
 
 def _session_with_burst(op: str, run, budget: Budget) -> tuple[list[str], dict]:

@@ -178,7 +178,7 @@ def burst(j: Judge, shape: dict, seeds: list[int], reps: int, samples: list[int]
     for k, seed in enumerate(seeds):
         args = first if k == 0 else j.c.make_inputs(dict(shape), seed, j.device)
         first = None
-        handles.append(j.put(args))
+        handles.append(j.put(args, judged=False))  # only a sample is judged
         if k in samples:
             stale[k] = j.reference(args)
         skeletons.append(tuple(torch.empty(a.shape, dtype=a.dtype, device="meta")

@@ -30,6 +30,12 @@ from .numerics import (
 )
 
 ALT_OFFSET = 7919  # seed offset of the data that replaces an input
+# The layouts a put hands an input over in (see `Judge.put`), half of them contiguous; the others
+# rows a few elements apart, rows one or two row lengths apart (serving's column slices of one
+# projection), the first rows of a larger allocation (a CUDA graph's static buffers). Dealt from
+# a shuffled deck of these, so every run of as many puts holds each: drawn at random, a run could
+# miss one.
+LAYOUTS = ("contiguous",) * 4 + ("elements", "row", "rows", "tail")
 
 
 def arg_names(signature: str) -> list[str]:
@@ -153,6 +159,7 @@ class Judge:
         self.calls = 0
         self._ids = 0
         self._alt_case: Case | None = None  # the one case whose `alt` is kept
+        self._decks: dict[bool, list[str]] = {}  # LAYOUTS left to deal, by "two rows or more"
 
     # ---- cases --------------------------------------------------------------------------------
     def make_case(self, shape: dict, seed: int, edge: Any = None) -> Case | None:
@@ -221,22 +228,27 @@ class Judge:
         self._ids += 1
         return self._ids
 
-    def put(self, args: tuple) -> int:
+    def put(self, args: tuple, judged: bool = True) -> int:
         """Hand `args` to the worker. Serving passes views whose rows are farther apart than
         their length (q, k and gate split from one projection, the two halves of a GEMM): with
-        an rng, half of the puts hand every tensor that starts with the token axis
-        over as such a view (a few elements, or one or two row lengths apart), or as the first
-        rows of a larger allocation (serving's CUDA graphs slice ids, positions, slots and page
-        tables out of buffers sized for the largest batch), so neither a contiguous layout nor
-        a layout like serving's is a sign of being verified or not."""
+        an rng, half of the puts hand every tensor that starts with the token axis over as such
+        a view (a few elements, or one or two row lengths apart), or as the first rows of a
+        larger allocation (serving's CUDA graphs slice ids, positions, slots and page tables out
+        of buffers sized for the largest batch), so neither a contiguous layout nor a layout like
+        serving's is a sign of being verified or not. The layouts are dealt (`LAYOUTS`), from
+        one deck for puts of two rows or more and another for the rest, so every run judges
+        each layout on inputs of several rows; `judged=False` (the burst's sets, of which only
+        a sample is judged) draws one at random and leaves the deal to calls that are judged."""
         h = self._next()
         descs = self.w.pack(args)
-        if self.rng is not None and self.rng.random() < 0.5:
+        t = args[0].shape[self.c.token_dim] if isinstance(args[0], torch.Tensor) else -1
+        layout = "contiguous" if self.rng is None else \
+            self._deal(t >= 2) if judged else self.rng.choice(LAYOUTS)
+        if layout != "contiguous":
             # A few elements (an aligned allocation), or whole rows: serving's q, k, v and gate
             # are column slices of one projection, rows one or more row lengths apart. Or a
             # prefix: 7 to 511 rows more in the allocation, as a graph's static buffers have.
-            pad = self.rng.choice((3, 64, "row", "rows", "tail", "tail"))
-            t = args[0].shape[self.c.token_dim] if isinstance(args[0], torch.Tensor) else -1
+            pad = self.rng.choice((3, 64)) if layout == "elements" else layout
             tail = self.rng.choice((7, 63, 511))
             for d, a in zip(descs, args, strict=True):
                 if pad == "tail":
@@ -252,6 +264,13 @@ class Judge:
                         d["offset"] = row * self.rng.randint(0, 1 if pad == "row" else 2)
         self._checked(self.w.request({"cmd": "put", "handle": h, "args": descs}))
         return h
+
+    def _deal(self, several_rows: bool) -> str:
+        deck = self._decks.setdefault(several_rows, [])
+        if not deck:
+            deck += LAYOUTS
+            self.rng.shuffle(deck)
+        return deck.pop()
 
     def write(self, handle: int, index: int, t: torch.Tensor) -> None:
         (d,) = self.w.pack([t])
