@@ -346,3 +346,29 @@ def test_a_worker_ends_with_its_judge_even_in_a_call(tmp_path):
             raise AssertionError("the worker outlived its judge by 20 s")
     finally:
         p.kill()
+
+
+@pytest.mark.parametrize("pad,offset", [(3, 0), (64, 5), (320, 320)])
+def test_the_gaps_between_a_padded_views_rows_hold_data(monkeypatch, pad, offset):
+    # torch's CPU BF16 linear reads the gap after each row of a padded view and multiplies it by
+    # zero: a NaN left there by the allocator made the reference fail its own verification.
+    from autoopt.eval import worker
+
+    t = torch.randn(5, 320, dtype=torch.bfloat16)
+    state = worker._State("cpu")
+    state.arena = type("Arena", (), {"size": 0, "view": staticmethod(lambda desc: t)})()
+    monkeypatch.setattr(worker.wire.TensorDesc, "parse", staticmethod(lambda d, size: d))
+    full = torch.full
+
+    def nan_filled(*size, dtype=None, device=None):  # an allocator that left NaNs behind
+        size = size[0] if len(size) == 1 and isinstance(size[0], tuple) else size
+        return full(tuple(size), float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(torch, "empty", nan_filled)
+    out = worker._materialize(state, {"pad": pad, "offset": offset})
+    monkeypatch.undo()
+    assert torch.equal(out, t) and out.stride(0) == 320 + pad
+    base = torch.as_strided(out, (out.storage_offset() + 5 * (320 + pad),), (1,), 0)
+    assert torch.isfinite(base.float()).all()
+    w = torch.randn(7, 320, dtype=torch.bfloat16)
+    assert torch.equal(torch.nn.functional.linear(out, w), torch.nn.functional.linear(t, w))

@@ -218,6 +218,13 @@ def _materialize(state: _State, d: dict) -> Any:
         offset = min(offset, pad)  # a slice of a wider row, never past it
         base = torch.empty(offset + t.shape[0] * (inner + pad), dtype=t.dtype,
                            device=state.device)
+        # Between the rows, data (serving's gaps are other columns of the same projection), not
+        # whatever the allocator left: a library kernel may read the gap and multiply it by
+        # zero (torch's CPU BF16 GEMM does), and 0 * NaN is NaN.
+        if t.is_floating_point():
+            base.copy_(torch.randn(base.shape, generator=state.gen).to(t.dtype))
+        else:
+            base.zero_()
         out = base.as_strided(t.shape, (inner + pad, *t[0].contiguous().stride()), offset)
     else:
         out = torch.empty(t.shape, dtype=t.dtype, device=state.device)
