@@ -127,6 +127,31 @@ def test_bias_counts_rows_not_elements():
     assert (stats.mismatches, stats.mismatched_rows, stats.excluded) == (64, 32, 32 * 512)
 
 
+def test_near_copies_of_a_trial_do_not_count_as_evidence_of_bias():
+    """A follow-up call with one input element changed repeats the case's honest 1-ulp errors;
+    twenty-three such copies of one mismatched row are one row of evidence, not 24. They are
+    still judged on every other bound."""
+    g = torch.Generator().manual_seed(2)
+    ref = (torch.randn(17, 768, generator=g) * 3).to(torch.bfloat16)
+    bits = ref.view(torch.int16)
+    honest = bits.clone()
+    honest[5, 7] = bits[5, 7] + 1  # one element one ulp away from zero
+    cand = honest.view(torch.bfloat16)
+    policy = Policy("ulp", 1, 0.05, True, "")
+    as_rows, as_copies = OutputStats(), OutputStats()
+    for k in range(24):
+        as_rows.add(cand, ref)
+        as_copies.add(cand, ref, bias=k == 0)
+    assert any("biased error" in r for r in judge(policy, as_rows, "output 0"))
+    assert judge(policy, as_copies, "output 0") == []
+    assert (as_copies.mismatches, as_copies.bias_mismatches, as_copies.mismatched_rows) == \
+        (24, 1, 1)
+    over = honest.clone()
+    over[5, 8] = bits[5, 8] + 3  # a copy is still held to max_ulp
+    as_copies.add(over.view(torch.bfloat16), ref, bias=False)
+    assert any("> 1 ulp" in r for r in judge(policy, as_copies, "output 0"))
+
+
 def test_fraction_bound_has_a_poisson_margin_per_shape():
     from autoopt.eval.numerics import allowed_mismatches
 

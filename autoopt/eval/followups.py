@@ -87,8 +87,8 @@ def dependence(j: Judge, case: Case, i: int) -> None:
     if _same(outs, case.first):
         j.findings.add(f"dependence_{i}", f"not input dependent: output unchanged when input "
                                           f"{j._name(i)} changed {where}")
-    else:
-        j.record(case.key, tuple(p), outs, ref)
+    else:  # one input or one element changed: the rest repeats the case's errors
+        j.record(case.key, tuple(p), outs, ref, bias=False)
 
 
 def one_element(j: Judge, case: Case, i: int, rng: Any) -> None:
@@ -119,8 +119,8 @@ def one_element(j: Judge, case: Case, i: int, rng: Any) -> None:
     if _same(outs, case.first):
         j.findings.add("content_cache", "caches outputs by content: outputs did not follow a "
                                         f"one-element change of the input {where}")
-    else:
-        j.record(case.key, tuple(p), outs, ref)
+    else:  # one input or one element changed: the rest repeats the case's errors
+        j.record(case.key, tuple(p), outs, ref, bias=False)
 
 
 def shuffled(j: Judge, case: Case, order: str) -> None:

@@ -54,6 +54,7 @@ def _fold(into: OutputStats, s: OutputStats) -> None:
     into.magnitude_sum += s.magnitude_sum
     into.excluded += s.excluded
     into.mismatched_rows += s.mismatched_rows
+    into.bias_mismatches += s.bias_mismatches
     for u, c in s.exact.items():
         into.exact[u] = into.exact.get(u, 0) + c
 

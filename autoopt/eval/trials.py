@@ -397,8 +397,10 @@ class Judge:
                 self.findings.add("constant", f"output {i} is constant "
                                               f"({float(o.flatten()[0])}) {where}")
 
-    def record(self, key: str, args: tuple, outs: tuple, ref: tuple) -> list[dict]:
-        """Fold one call's outputs into the per-shape statistics of `key`."""
+    def record(self, key: str, args: tuple, outs: tuple, ref: tuple,
+               bias: bool = True) -> list[dict]:
+        """Fold one call's outputs into the per-shape statistics of `key` (`bias=False`: its
+        inputs are a near copy of an earlier call's, left out of the bias test)."""
         keep = None
         if self.c.name == "router":
             # Rows whose ids differ only across an FP32 tie: the same experts in another slot
@@ -417,7 +419,7 @@ class Judge:
         for i, (o, r, m) in enumerate(zip(outs, ref, mags, strict=True)):
             self.dtypes.setdefault(i, r.dtype)
             stats = self.stats.setdefault((key, i), OutputStats())
-            out.append(stats.add(o, r, keep if i < 2 else None, m))
+            out.append(stats.add(o, r, keep if i < 2 else None, m, bias))
         return out
 
     def _near(self, case: Case, outs: tuple) -> dict:
