@@ -334,7 +334,8 @@ def test_edge_shapes_cover_every_depth_and_expert_parallel_ranks():
     offsets, outside = set(), 0
     for seed in range(8):
         x, gu, down, w, ids, scale, offset = moe.make_inputs(edges["expert_parallel_8"], seed)
-        assert offset % e_local == 0 and 0 <= offset < 8 * e_local
+        # Never rank 0: with a zero offset a kernel that ignores the offset is exact.
+        assert offset % e_local == 0 and 0 < offset < 8 * e_local
         assert int(ids.max()) < 8 * e_local
         outside += int(((ids < offset) | (ids >= offset + e_local)).sum())
         offsets.add(offset)
@@ -343,5 +344,7 @@ def test_edge_shapes_cover_every_depth_and_expert_parallel_ranks():
                               (ids >= offset + e_local), 0.0), ids, scale, offset)
         assert torch.equal(alone, moe.reference(x, gu, down, w, ids, scale, offset))
     assert len(offsets) > 1 and outside > 0
+    two = edges["expert_parallel_2"]
+    assert {moe.make_inputs(two, seed)[-1] for seed in range(16)} == {two["E"]}
     # Without `ep` the inputs are the single-rank ones, as before.
     assert len(moe.make_inputs(moe.shapes_for(CFG, 3), 0)) == 6
