@@ -158,3 +158,33 @@ def test_timed_steps_stop_after_row_s_but_keep_five(monkeypatch):
     assert run(20, None) == 20
     with pytest.raises(ValueError, match="row-s"):
         bench_model.BenchModelArgs("cpu-tiny", row_s=0)
+
+
+def test_compile_set_runs_the_recorded_library_moe_where_it_can(tmp_path):
+    # The compile set's moe_experts cannot be compiled (its reference syncs with the host): it
+    # runs the registry's grouped_mm_v2 where that is recorded and verified for this arch, so the
+    # step replays from a graph, and the reference (said in the notes) where the registry lacks it.
+    from autoopt.profiler.kernel_sets import kernel_set
+    from model.registry import Registry
+    from model.registry.paths import shipped_root
+
+    cpu = torch.device("cpu")
+    ks = kernel_set("compile", cpu)
+    assert ks.table.sources["moe_experts"].startswith("grouped_mm_v2")
+    assert any("runs moe_experts/grouped_mm_v2" in n for n in ks.notes)
+    assert ks.table.sources["rmsnorm"] == "reference (torch.compile, Inductor)"
+
+    Registry(tmp_path / "empty").root.mkdir(parents=True)
+    bare = kernel_set("compile", cpu, registry=tmp_path / "empty")
+    assert bare.table.sources.get("moe_experts", "reference") == "reference"
+    assert any("moe_experts not compiled" in n and "eagerly" in n for n in bare.notes)
+    # Its file changed after recording: refused, as a lock entry would be.
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(shipped_root(), copy)
+    path = copy / "moe_experts" / "grouped_mm_v2.py"
+    path.write_text(path.read_text() + "\n# edited\n")
+    edited = kernel_set("compile", cpu, registry=copy)
+    assert edited.table.sources.get("moe_experts", "reference") == "reference"
+    assert any("hashes to" in n for n in edited.notes), edited.notes

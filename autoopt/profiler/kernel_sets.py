@@ -4,9 +4,11 @@
 - `tuned`: the registry's lock for this machine's arch (model/registry.py resolves it).
 - `compile`: the peer a user would reach for: every op's reference under `torch.compile`
   (Inductor, with `emulate_precision_casts` so it keeps the reference's BF16 roundings, hence
-  the same function), captured in the same CUDA graphs. An op whose reference syncs with the
-  host (`moe_experts` loops over the experts present) cannot be compiled into a capturable
-  graph and runs as in the reference set; the set's notes say so. Each op compiles once per
+  the same function), captured in the same CUDA graphs. `moe_experts`' reference syncs with the
+  host (it loops over the experts present) and cannot be captured: where the registry has
+  `moe_experts/grouped_mm_v2` verified for this arch (torch's own grouped GEMM, the library
+  path a PyTorch user has), the set runs it, so that the step replays from a graph like the
+  others; elsewhere the reference, eagerly. The set's notes say which. Each op compiles once per
   distinct argument kind: the layers share the ops, so 52 layers do not mean 52 compiles.
 - anything else: the path of a lock file (e.g. a "before" lock for comparisons).
 """
@@ -23,8 +25,9 @@ from model.ops import CONTRACTS, OpTable
 
 from ..targets import TargetError
 
-NOT_COMPILED = {"moe_experts": "its reference syncs with the host (unique().tolist()); it runs "
-                               "as in the reference set"}
+NOT_COMPILED = {"moe_experts": "its reference syncs with the host (unique().tolist())"}
+# What the compile set runs for an op it does not compile, where the registry can load it.
+LIBRARY_STANDIN = {"moe_experts": "grouped_mm_v2"}
 RECOMPILE_LIMIT = 64
 
 
@@ -76,14 +79,37 @@ def compile_reference(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=None)
 
 
-def _compile(_name: str, _device: torch.device, _registry: str | None) -> KernelSet:
+def _compile(_name: str, device: torch.device, registry: str | None) -> KernelSet:
     impls = {op: compile_reference(c.reference) for op, c in CONTRACTS.items()
              if op not in NOT_COMPILED}
     sources = {op: "reference (torch.compile, Inductor)" for op in impls}
-    notes = [f"compile: {op} not compiled: {why}" for op, why in NOT_COMPILED.items()]
+    notes = []
+    for op, why in NOT_COMPILED.items():
+        call, refused = _standin(op, device, registry)
+        if call is None:
+            notes.append(f"compile: {op} not compiled ({why}); runs the reference eagerly"
+                         + (f" ({refused})" if refused else ""))
+            continue
+        impls[op], sources[op] = call, call.source
+        notes.append(f"compile: {op} not compiled ({why}); runs {op}/{LIBRARY_STANDIN[op]}, "
+                     "the library path, so the step can be captured")
     notes.append("compile: each op's reference compiled by Inductor with emulate_precision_casts; "
                  "GEMMs outside the ops and the attention backend are as in the reference set")
     return KernelSet("compile", OpTable(impls, sources), tuple(notes))
+
+
+def _standin(op: str, device: torch.device, registry: str | None):
+    """(the recorded library variant that stands in for `op`, None) or (None, why not)."""
+    variant = LIBRARY_STANDIN.get(op)
+    if variant is None:
+        return None, None
+    from model.registry import Registry
+    from model.registry.runtime import load_recorded
+
+    try:
+        return load_recorded(Registry(registry), op, variant, device)
+    except Exception as e:  # noqa: BLE001 - a registry that cannot load it leaves the reference
+        return None, f"{type(e).__name__}: {e}"
 
 
 BUILDERS: dict[str, Callable[[str, torch.device, str | None], KernelSet]] = {

@@ -199,6 +199,38 @@ class Resolution:
     refused: str | None = None
 
 
+def recorded_entry(reg: Registry, op: str, variant: str) -> LockEntry | str:
+    """A lock entry for a recorded variant (its file hash and configs: the accepted table, or a
+    candidate's proposed one), or why there is none. Loading it still runs every check a locked
+    variant passes (`load_locked`)."""
+    try:
+        if not reg.variant_path(op, variant).is_file():
+            return f"the registry {reg.root} has no {op}/{variant}.py"
+        rec = reg.read_record(op, variant)
+        if rec is None:
+            return f"{op}/{variant} has no record (record it before running it)"
+        configs = reg.read_configs(op, variant) if rec.status == "accepted" \
+            else rec.proposed_configs
+        return LockEntry(variant, rec.variant.sha256, configs.sha256)
+    except (RegistryError, ValueError) as exc:
+        return str(exc)
+
+
+def load_recorded(reg: Registry, op: str, variant: str,
+                  device: str | torch.device | None) -> tuple[Callable | None, str | None]:
+    """(the callable, None) for a recorded variant that may run on `device`'s arch (verified
+    there, file and configs as recorded, runnable on this machine), or (None, why not)."""
+    found = recorded_entry(reg, op, variant)
+    if isinstance(found, str):
+        return None, found
+    arch = current_arch(device)
+    why = machine_problem(reg.read_variant(op, variant)[0], arch)
+    if why is not None:
+        return None, why
+    return load_locked(reg, op, found, arch, gpu_name(device) if arch != "cpu" else "cpu",
+                       allow_candidates=True)
+
+
 def _lock_entries(reg: Registry, kernels: str | Path, arch: str) -> dict[str, LockEntry]:
     path = reg.lock_path if str(kernels) == "tuned" else Path(kernels)
     if str(kernels) != "tuned" and not path.is_file():

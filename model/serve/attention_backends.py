@@ -24,8 +24,8 @@ import re
 import torch
 
 from ..ops import OP_NAMES, OpTable, contract
-from ..registry import LockEntry, Registry, RegistryError, current_arch, gpu_name
-from ..registry.runtime import load_locked, machine_problem
+from ..registry import Registry
+from ..registry.runtime import load_recorded
 
 OP = "attention"
 BACKENDS: dict[str, str | None] = {
@@ -66,39 +66,13 @@ def select(name: str, ops: OpTable, device: torch.device, dtype: torch.dtype,
     if variant == "reference":
         return with_impl(ops, OP, contract(OP).reference, "reference"), \
             f"attention: reference (--attention-backend {name})"
-    reg = Registry(registry)
-    found = _entry(reg, variant, dtype)
-    call = None
-    if isinstance(found, str):
-        why = found
+    if dtype != torch.bfloat16:
+        call, why = None, f"registry variants implement the BF16 contract, the model runs {dtype}"
     else:
-        arch = current_arch(device)
-        # What this machine cannot run is the first thing to say (a GPU library on a CPU).
-        why = machine_problem(reg.read_variant(OP, variant)[0], arch)
-        if why is None:
-            call, why = load_locked(reg, OP, found, arch,
-                                    gpu_name(device) if arch != "cpu" else "cpu",
-                                    allow_candidates=True)
+        call, why = load_recorded(Registry(registry), OP, variant, device)
     if call is None:
         raise ValueError(f"attention backend {name!r} ({OP}/{variant}) cannot serve here: {why}; "
                          "use --attention-backend auto (the lock) or torch")
     return with_impl(ops, OP, call, call.source), \
         f"attention: {variant} (--attention-backend {name})"
-
-
-def _entry(reg: Registry, variant: str, dtype: torch.dtype) -> LockEntry | str:
-    """A lock entry for the recorded variant (its file hash and configs), or why there is none."""
-    if dtype != torch.bfloat16:
-        return f"registry variants implement the BF16 contract, the model runs {dtype}"
-    try:
-        if not reg.variant_path(OP, variant).is_file():
-            return f"the registry {reg.root} has no {OP}/{variant}.py"
-        rec = reg.read_record(OP, variant)
-        if rec is None:
-            return f"{OP}/{variant} has no record (record it before serving with it)"
-        configs = reg.read_configs(OP, variant) if rec.status == "accepted" \
-            else rec.proposed_configs
-        return LockEntry(variant, rec.variant.sha256, configs.sha256)
-    except (RegistryError, ValueError) as exc:
-        return str(exc)
 
