@@ -45,6 +45,7 @@ import torch.multiprocessing as mp
 
 from . import p2p
 from .ops.allreduce_norm_residual_norm import rank_sum
+from .ops.precision import use_contract_precision
 
 BACKENDS = ("gloo", "nccl")
 DEFAULT_PG_TIMEOUT_S = 300.0
@@ -347,6 +348,7 @@ def _worker(fn, rank: int, tp: int, backend: str, init_method: str, pg_timeout_s
     _exit_with_parent(parent_pid)
     if threads:
         torch.set_num_threads(threads)
+    use_contract_precision()  # each rank's GEMMs round as the op contracts say
     try:
         group = init_tp(tp, rank, backend, init_method, pg_timeout_s, local_rank=rank)
         payload = pickle.dumps(("ok", fn(group, *args)))

@@ -61,8 +61,8 @@ def bench_op(op: str, variant_source: Path | None, shapes: list[dict], device: s
              config: dict | None = None, timeout_s: float = 600) -> list[BenchRow]:
     """Time reference, torch.compile and the variant (if any) at `shapes`."""
     from model.ops import contract
+    from model.ops.precision import contract_precision
 
-    from .run import tf32_off
     from .screen import static_screen
     from .verify import run_env
 
@@ -77,7 +77,7 @@ def bench_op(op: str, variant_source: Path | None, shapes: list[dict], device: s
     secret = Secret()
     env = run_env(device)
     env["git_commit"] = git_commit()
-    with tf32_off():
+    with contract_precision():
         ceilings = measure_ceilings(device)
         base = []
         for shape in shapes:

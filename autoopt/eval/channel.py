@@ -75,6 +75,7 @@ class Worker:
         self.deadline = 0.0
         self.requests = 0
         self.started_s = 0.0
+        self.precision: dict | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def __enter__(self) -> Worker:
@@ -102,7 +103,11 @@ class Worker:
             self.sock = self._accept(listener)
         finally:
             listener.close()
-        self.request({"cmd": "hello"})
+        from model.ops.precision import contract_flags
+
+        # Candidates run at the contracts' GEMM precision, as served (model/ops/precision.py).
+        hello = self.request({"cmd": "hello", "precision": contract_flags()})
+        self.precision = hello.get("precision")
         self._new_arena(self.arena_bytes)
         self.started_s = _clock() - t0
 

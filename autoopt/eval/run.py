@@ -1,21 +1,21 @@
 """The judge's side of one verification: start the worker, run the session, judge, clean up.
 
 Called by `verify.verify_variant` after the static screen and the plan. The references are
-computed with TF32 off (docs/numerics.md: FP32 GEMMs are FP32) and the setting is restored after.
+computed at the contracts' GEMM precision (model/ops/precision.py: no TF32, no reduced-precision
+split-K reductions) and the flags are restored after.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import secrets as _secrets
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from autoopt.env import REPO_ROOT
+from model.ops.precision import contract_precision
 
 from .channel import Worker, WorkerError
 from .judgement import judge_near_misses, judge_numerics
@@ -26,17 +26,6 @@ from .trials import Judge
 log = logging.getLogger("autoopt.eval")  # one line per phase: where a slow verification spends
 
 POISON_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.int32)
-
-
-@contextlib.contextmanager
-def tf32_off() -> Iterator[None]:
-    m, c = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = m, c
 
 
 def start_candidate(w: Worker, text: bytes, device: str, config: dict | None,
@@ -85,8 +74,8 @@ def judge_candidate(report: Any, c: Any, text: bytes, plan: ShapePlan, budget: B
     t0 = time.monotonic()
     log.info("%s: judging on %s (%d shapes planned)", c.name, device,
              len(plan.buckets) + len(plan.drawn) + len(plan.long))
-    with tf32_off(), Worker(device, budget_s=timeout_s,
-                            mem_limit_bytes=None if cuda else CPU_MEM_LIMIT) as w:
+    with contract_precision(), Worker(device, budget_s=timeout_s,
+                                      mem_limit_bytes=None if cuda else CPU_MEM_LIMIT) as w:
         try:
             reasons += _session(report, c, w, text, plan, budget, s, config, time_check)
             report.checks["sandbox"] = {"blocked": w.request({"cmd": "ping"})["blocked"],

@@ -115,7 +115,17 @@ def _handlers() -> dict[str, Any]:
 
 
 def _hello(state: _State, msg: dict, fds: list) -> dict:
-    return {"pid": os.getpid(), "torch": torch.__version__}
+    # The GEMM precision flags the judge names (the contracts', model/ops/precision.py: the
+    # worker imports no model code), set before any candidate loads: it runs as it serves.
+    m, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    for key, value in (msg.get("precision") or {}).items():
+        if key == "cudnn.allow_tf32":
+            cudnn.allow_tf32 = bool(value)
+        elif key.startswith("allow_") and hasattr(m, key):
+            setattr(m, key, bool(value))
+    flags = {k: bool(getattr(m, k)) for k in msg.get("precision") or {} if hasattr(m, k)}
+    return {"pid": os.getpid(), "torch": torch.__version__,
+            "precision": {**flags, "cudnn.allow_tf32": bool(cudnn.allow_tf32)}}
 
 
 def _arena(state: _State, msg: dict, fds: list) -> dict:

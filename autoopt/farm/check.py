@@ -22,11 +22,12 @@ def check_one(op: str, path: Path, device: str, shape: dict, config: dict | None
     from autoopt.eval.channel import Worker, WorkerError
     from autoopt.eval.numerics import effective_policy, judge
     from autoopt.eval.plan import Secret
-    from autoopt.eval.run import POISON_DTYPES, palette_bits, start_candidate, tf32_off
+    from autoopt.eval.run import POISON_DTYPES, palette_bits, start_candidate
     from autoopt.eval.screen import static_screen
     from autoopt.eval.trials import Judge
     from autoopt.eval.verify import CPU_MEM_LIMIT
     from model.ops import contract
+    from model.ops.precision import contract_precision
 
     c = contract(op)
     text = path.read_bytes()
@@ -35,8 +36,8 @@ def check_one(op: str, path: Path, device: str, shape: dict, config: dict | None
         return {"stage": "screen", "errors": screen, "shape": shape}
     s = Secret()
     cuda = device.startswith("cuda")
-    with tf32_off(), Worker(device, budget_s=timeout_s,
-                            mem_limit_bytes=None if cuda else CPU_MEM_LIMIT) as w:
+    with contract_precision(), Worker(device, budget_s=timeout_s,
+                                      mem_limit_bytes=None if cuda else CPU_MEM_LIMIT) as w:
         try:
             palettes = {dt: s.palette(dt) for dt in POISON_DTYPES}
             err = start_candidate(w, text, device, config, palettes, s.seed())

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ...beam import Batch, BeamForCausalLM, CausalAttention
+from ...ops.precision import use_contract_precision
 from .. import attention_backends
 from ..runner import ModelRunner
 from .batch_invariant import TokenwiseRunner
@@ -139,6 +140,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: BeamForCausalLM | None = None,
                  tokenizer=None) -> None:
         self.config = config
+        use_contract_precision()  # GEMMs round as the op contracts say (model/ops/precision.py)
         if model is not None and config.kernels is not None:
             apply_kernels(model, config.kernels, config.registry)
         self.model = model if model is not None else load_engine_model(config)
