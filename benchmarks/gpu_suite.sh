@@ -37,6 +37,7 @@ declare -A STAGES=(
   [kernels2]="python3 benchmarks/gpu_kernels.py --out \$R/kernels2 \${KERNELS2_ARGS:-}"
   [kernels3]="python3 benchmarks/gpu_kernels.py --out \$R/kernels3 \${KERNELS3_ARGS:-}"
   [moe]="python3 benchmarks/moe_gpu.py --out \$R/moe \${MOE_ARGS:-}"
+  [reduction]="python3 benchmarks/reduction_check.py --out \$R/reduction \${REDUCTION_ARGS:-}"
   [moe-ep]="python3 benchmarks/moe_ep_check.py --out \$R/moe-ep \${MOE_EP_ARGS:-}"
   [sweep]="python3 benchmarks/config_sweep_gpu.py --out \$R/sweep \${SWEEP_ARGS:-}"
   [router]="python3 benchmarks/router_cute_gpu.py --out \$R/router \${ROUTER_ARGS:-}"
