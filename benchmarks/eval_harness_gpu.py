@@ -54,8 +54,14 @@ def plan_items(only: list[str] | None) -> list[dict]:
     items += [{"name": s, "op": op, "path": str(CORPUS / f"{s}.py"), "expected": "pass",
                "kind": "corpus (honest)"} for s, op in PASSING.items()]
     for path in sorted((REPO / "kernels").glob("*/*.py")):
+        # A variant its record rejects for good (one that implements a former contract) is
+        # expected to fail; every other registry variant must pass.
+        record = path.parent / "records" / f"{path.stem}.json"
+        status = json.loads(record.read_text()).get("status") if record.is_file() else None
         items.append({"name": f"{path.parent.name}/{path.stem}", "op": path.parent.name,
-                      "path": str(path), "expected": "pass", "kind": "registry"})
+                      "path": str(path), "expected": "reject" if status == "rejected" else "pass",
+                      "kind": "registry (rejected in its record)" if status == "rejected"
+                      else "registry"})
     if only:
         items = [i for i in items if i["name"] in only]
     return items
