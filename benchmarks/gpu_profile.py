@@ -6,9 +6,11 @@
 One process, stages in this order (each bounded by its share of --budget-s, written as soon as
 it finishes, so a slow later stage never costs an earlier one's results):
 1. decode: h200-tp8-decode, all 52 layers of one TP8 rank (random weights filled on the GPU),
-   batch 1/8/32/64 at context 8192 and batch 1/8 at the long context 100000: reference vs tuned
-   (vs --before-lock, the lock a comparison starts from);
-2. prefill: h200-tp8-prefill, 8 prompts x 2048 tokens, reference vs tuned;
+   batch 1/8/32/64 at context 8192 and batch 1/8 at the long context 100000: --baseline vs
+   tuned (vs --before-lock, the lock a comparison starts from);
+2. prefill: h200-tp8-prefill, 8 prompts x 2048 tokens, the baseline vs tuned (with the
+   reference MoE, a host-syncing loop over experts, one eager prefill step takes 5 s on an H200
+   and the baseline row alone spent the stage's share);
 3. profile: the served decode step (tuned set, CUDA-graph replay) at batch 1 and 64, context
    8192, kernel time attributed to ops inside the graph, plus a 16-kernel Nsight Compute sample
    of the top ops where ncu is installed;
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             0.4 * run.share("decode"), layers=decode.layers, before=decode)) or decode
     ptarget, pbatches, pctx = cfg["prefill"]
     prefill = run.stage("prefill bench", lambda: _bench(
-        run, "bench_prefill", ptarget, pbatches, pctx, ("reference", "tuned"),
+        run, "bench_prefill", ptarget, pbatches, pctx, (a.baseline, "tuned"),
         run.share("prefill"), phase="prefill"))
     profiles = run.stage("served-step profile", lambda: _profile(run, target, cfg))
     if not a.skip_compile:
