@@ -102,8 +102,9 @@ def bench_model(
     layers: int = typer.Option(None, "--layers", help="Layers (default: the target's, or what "
                                "fits)."),
     kernels: str = typer.Option(None, "--kernels", help="Kernel sets: reference, tuned, "
-                                "compile, or lock file paths (default: reference,tuned,compile "
-                                "on a GPU; reference,tuned on the CPU)."),
+                                "compile, tuned+compile (the lock, Inductor for the rest), or "
+                                "lock file paths (default: reference,tuned,compile on a GPU; "
+                                "reference,tuned on the CPU)."),
     attention_backend: str = typer.Option("auto", "--attention-backend",
                                           help="auto, torch or flashinfer."),
     phase: str = typer.Option(None, "--phase", help="decode or prefill (default: the "

@@ -188,3 +188,29 @@ def test_compile_set_runs_the_recorded_library_moe_where_it_can(tmp_path):
     edited = kernel_set("compile", cpu, registry=copy)
     assert edited.table.sources.get("moe_experts", "reference") == "reference"
     assert any("hashes to" in n for n in edited.notes), edited.notes
+
+
+def test_tuned_plus_compile_keeps_the_lock_and_compiles_the_rest(tmp_path):
+    # The set a server would run if it compiled what the registry has no kernel for: the lock's
+    # variants as they are, Inductor for the other ops (composites composed from their parts).
+    from autoopt.profiler.kernel_sets import kernel_set
+    from tests.registry_support import torch_registry
+
+    reg = torch_registry(tmp_path / "reg", ops=("rmsnorm", "swiglu"))
+    ks = kernel_set("tuned+compile", torch.device("cpu"), registry=reg.root)
+    src = ks.table.sources
+    assert src["rmsnorm"].startswith("torch_v1") and src["swiglu"].startswith("torch_v1")
+    assert src["router"] == src["attention"] == "reference (torch.compile, Inductor)"
+    assert src["gated_o_proj"] == "reference"  # composed from the compiled parts
+    assert any("compiled by Inductor" in n and "rmsnorm" not in n for n in ks.notes)
+    assert ks.label == "tuned+compile"
+    # The compiled ops compute the reference's function (Inductor keeps its roundings; its
+    # CPU tanh/sigmoid may differ by an ulp).
+    from autoopt.eval.numerics import ulp_diff
+    from model.ops import contract
+
+    for op in ("logit_softcap", "attn_output_gate"):
+        c = contract(op)
+        inputs = c.make_inputs({**c.tests.cpu_dims, "T": 3}, 0)
+        got, want = ks.table.impl(op)(*inputs), c.reference(*inputs)
+        assert got.shape == want.shape and int(ulp_diff(got, want).abs().max()) <= 1, op

@@ -10,6 +10,9 @@
   path a PyTorch user has), the set runs it, so that the step replays from a graph like the
   others; elsewhere the reference, eagerly. The set's notes say which. Each op compiles once per
   distinct argument kind: the layers share the ops, so 52 layers do not mean 52 compiles.
+- `tuned+compile`: the lock's variants, and every op the lock leaves at the reference under
+  `torch.compile` as in `compile`: what the server would run if it compiled what the registry
+  has no kernel for (torch.compile beats a set whose unlocked ops run eagerly).
 - anything else: the path of a lock file (e.g. a "before" lock for comparisons).
 """
 
@@ -53,8 +56,8 @@ def _registry_set(name: str, device: torch.device, registry: str | None) -> Kern
     except ImportError as e:  # pragma: no cover - the registry ships with the model package
         raise TargetError(f"--kernels {name} needs the kernel registry ({e})") from None
     if name != "tuned" and not Path(name).is_file():
-        raise TargetError(f"--kernels: {name!r} is not reference, tuned, compile or a lock file "
-                          "path")
+        raise TargetError(f"--kernels: {name!r} is not reference, tuned, compile, tuned+compile "
+                          "or a lock file path")
     # A lock file given by path (the optimize loop's trial of a run's new set) may select
     # verified candidates: measuring them is the point; serving never loads them.
     table = resolve_ops(kernels=name, registry=registry, device=device, dtype=torch.bfloat16,
@@ -98,6 +101,32 @@ def _compile(_name: str, device: torch.device, registry: str | None) -> KernelSe
     return KernelSet("compile", OpTable(impls, sources), tuple(notes))
 
 
+def _tuned_compile(name: str, device: torch.device, registry: str | None) -> KernelSet:
+    tuned = _registry_set("tuned", device, registry)
+    impls = {op: tuned.table.impl(op) for op, src in tuned.table.sources.items()
+             if src != "reference" and not getattr(tuned.table.impl(op), "_composed", False)}
+    sources = {op: tuned.table.sources[op] for op in impls}
+    compiled = []
+    for op, c in CONTRACTS.items():
+        if op in impls or op in NOT_COMPILED or c.compose is not None:
+            continue  # a composite without a variant is composed from its (compiled) parts
+        impls[op] = compile_reference(c.reference)
+        sources[op] = "reference (torch.compile, Inductor)"
+        compiled.append(op)
+    notes = [n.replace("tuned:", f"{name}:", 1) for n in tuned.notes]
+    notes.append(f"{name}: compiled by Inductor where the lock has no variant: "
+                 f"{', '.join(compiled) or 'no op'}")
+    for op in NOT_COMPILED:
+        if op not in impls:
+            call, refused = _standin(op, device, registry)
+            if call is not None:
+                impls[op], sources[op] = call, call.source
+            notes.append(f"{name}: {op} has no locked variant and is not compiled; runs "
+                         + (f"{op}/{LIBRARY_STANDIN[op]}" if call is not None else
+                            f"the reference eagerly ({refused})"))
+    return KernelSet(name, OpTable(impls, sources), tuple(notes))
+
+
 def _standin(op: str, device: torch.device, registry: str | None):
     """(the recorded library variant that stands in for `op`, None) or (None, why not)."""
     variant = LIBRARY_STANDIN.get(op)
@@ -113,7 +142,8 @@ def _standin(op: str, device: torch.device, registry: str | None):
 
 
 BUILDERS: dict[str, Callable[[str, torch.device, str | None], KernelSet]] = {
-    "reference": _reference, "tuned": _registry_set, "compile": _compile}
+    "reference": _reference, "tuned": _registry_set, "compile": _compile,
+    "tuned+compile": _tuned_compile}
 
 
 def kernel_set(name: str, device: torch.device, registry: str | Path | None = None) -> KernelSet:
