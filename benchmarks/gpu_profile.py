@@ -13,11 +13,12 @@ it finishes, so a slow later stage never costs an earlier one's results):
    and the baseline row alone spent the stage's share);
 3. profile: the served decode step (tuned set, CUDA-graph replay) at batch 1 and 64, context
    8192, kernel time attributed to ops inside the graph, plus a 16-kernel Nsight Compute sample
-   of the top ops where ncu is installed;
+   of the top ops where ncu is installed; then the compile set's step at batch 1, to compare
+   op by op (unless --skip-compile);
 4. compile: the torch.compile set of decode and prefill (Inductor compiles each op once per
    argument kind), merged into the tables of stages 1 and 2.
 Files under --out: bench_decode.{json,md,png}, bench_prefill.{json,md,png}, profile-b1.json/png,
-profile-b64.json/png, summary.txt (also printed last).
+profile-b64.json/png, profile-compile-b1.json/png, summary.txt (also printed last).
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     prefill = run.stage("prefill bench", lambda: _bench(
         run, "bench_prefill", ptarget, pbatches, pctx, (a.baseline, "tuned"),
         run.share("prefill"), phase="prefill"))
-    profiles = run.stage("served-step profile", lambda: _profile(run, target, cfg))
+    profiles = run.stage("served-step profile", lambda: _profile(run, target, cfg,
+                                                                    not a.skip_compile))
     if not a.skip_compile:
         if decode is not None:
             decode = run.stage("decode compile", lambda: _bench(
@@ -139,16 +141,24 @@ def main(argv: list[str] | None = None) -> int:
     return _summary(run, decode, prefill, profiles)
 
 
-def _profile(run: Run, target: str, cfg: dict) -> list:
+def _profile(run: Run, target: str, cfg: dict, compile_too: bool) -> list:
+    """The tuned step at the profile's batches (with an Nsight sample), then, when asked, the
+    compile set's at the first batch: where Inductor's kernels beat the registry's, op by op."""
     from autoopt.profiler.nsight import find_ncu
 
     budget = run.share("profile")
+    deadline = time.monotonic() + budget
     profs = profile_batches(target, cfg["profile"], kernels="tuned", context=cfg["context"],
                             repeats=10, ncu_sample=16 if find_ncu() else 0,
                             ncu_timeout_s=min(120.0, budget / 2), proxy=run.dry_proxy,
-                            deadline=time.monotonic() + budget)
+                            deadline=deadline - (0.3 * budget if compile_too else 0.0))
     for prof in profs:
         write_profile(prof, run.out, f"profile-b{prof.batch}")
+    if compile_too and time.monotonic() < deadline - 20:
+        for prof in profile_batches(target, cfg["profile"][:1], kernels="compile",
+                                    context=cfg["context"], repeats=10, proxy=run.dry_proxy,
+                                    deadline=deadline):
+            write_profile(prof, run.out, f"profile-compile-b{prof.batch}")
     return profs
 
 

@@ -41,3 +41,16 @@ def test_dry_run_writes_few_flat_files(tmp_path: Path, capsys):
     text = (out / "summary.txt").read_text()
     assert "total" in text and "error" not in text
     assert "== decode bench:" in capsys.readouterr().out  # per-stage timings are printed
+
+
+@pytest.mark.slow
+def test_profile_stage_adds_the_compile_sets_step(tmp_path: Path):
+    # Op by op, where Inductor's kernels beat the registry's: the compile set's step at the
+    # first profiled batch, beside the tuned set's.
+    script = _script()
+    run = script.Run(tmp_path, 300.0, False)
+    profs = script._profile(run, "cpu-tiny", script.DRY, True)
+    assert [p.batch for p in profs] == [1, 3] and all(p.kernels == "tuned" for p in profs)
+    comp = Profile.load(tmp_path / "profile-compile-b1.json")
+    assert comp.kernels == "compile" and comp.batch == 1
+    assert {r.op for r in comp.rows} & {"rmsnorm", "router", "moe_experts"}
