@@ -67,7 +67,9 @@ def generate(
     seed: int = typer.Option(None, help="Sampling seed (reproducible per request)."),
     device: str = typer.Option(None, help="cpu, cuda or auto (default: the engine's, auto)."),
     dtype: str = typer.Option(None, help="bfloat16 or float32 (default: the engine's)."),
-    kernels: str = typer.Option(None, help="reference, tuned or a lock file (default: tuned)."),
+    kernels: str = typer.Option(None, help="reference, tuned or a lock file (default: tuned); "
+                                "a +compile suffix (tuned+compile) runs the ops the lock leaves "
+                                "at the reference under torch.compile."),
     max_model_len: int = typer.Option(None, "--max-model-len", help="Context limit."),
     cuda_graphs: bool = typer.Option(None, "--cuda-graphs/--no-cuda-graphs",
                                      help="Capture decode in CUDA graphs (GPU; default on)."),
@@ -120,7 +122,9 @@ def serve(
     port: int = typer.Option(8000, help="Port to listen on."),
     device: str = typer.Option(None, help="cpu, cuda or auto (default: the engine's, auto)."),
     dtype: str = typer.Option(None, help="bfloat16 or float32 (default: the engine's)."),
-    kernels: str = typer.Option(None, help="reference, tuned or a lock file (default: tuned)."),
+    kernels: str = typer.Option(None, help="reference, tuned or a lock file (default: tuned); "
+                                "a +compile suffix (tuned+compile) runs the ops the lock leaves "
+                                "at the reference under torch.compile."),
     max_num_seqs: int = typer.Option(None, "--max-num-seqs", help="Running requests at most."),
     max_model_len: int = typer.Option(None, "--max-model-len", help="Context limit in tokens."),
     max_num_batched_tokens: int = typer.Option(None, "--max-num-batched-tokens",

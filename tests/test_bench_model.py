@@ -214,3 +214,12 @@ def test_tuned_plus_compile_keeps_the_lock_and_compiles_the_rest(tmp_path):
         inputs = c.make_inputs({**c.tests.cpu_dims, "T": 3}, 0)
         got, want = ks.table.impl(op)(*inputs), c.reference(*inputs)
         assert got.shape == want.shape and int(ulp_diff(got, want).abs().max()) <= 1, op
+
+
+def test_the_engine_serves_tuned_plus_compile():
+    t = load_target("cpu-tiny")
+    cfg = dict(device="cpu", max_num_seqs=2, max_model_len=64, kv_cache_bytes=8 << 20)
+    model = build_rank_model(t, 2, "cpu", 0).model
+    LLMEngine(EngineConfig(kernels="tuned+compile", **cfg), model=model)
+    assert model.ops.sources["router"] == "reference (torch.compile, Inductor)"
+    assert model.ops.sources["moe_experts"] == "reference"  # its host sync cannot be compiled

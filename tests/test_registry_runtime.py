@@ -273,3 +273,26 @@ def test_committed_lock_runs_on_the_gpu_with_its_tuned_config():
                                                    else call.default)
     for got, ref in zip(table.norm_residual_norm(*args), c.reference(*args)):
         assert torch.equal(got, ref)
+
+
+def test_plus_compile_keeps_the_lock_and_compiles_what_it_leaves(tmp_path):
+    # `--kernels tuned+compile`: the server's lock as it is, Inductor for the ops the lock leaves
+    # at the reference, the host-syncing MoE reference and composites as they were.
+    from model.ops.compiled import SOURCE
+    from tests.registry_support import torch_registry
+
+    reg = torch_registry(tmp_path / "reg", ops=("rmsnorm",))
+    table = resolve_ops("tuned+compile", reg.root, arch="cpu", device="cpu")
+    assert table.sources["rmsnorm"].startswith("torch_v1")
+    assert table.sources["router"] == table.sources["swiglu"] == SOURCE
+    assert table.sources["moe_experts"] == "reference"
+    assert table.sources["gated_o_proj"] == "reference"  # composed from its (compiled) parts
+    assert table.resolution["rmsnorm"].variant == "torch_v1"
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    w = torch.rand(64, dtype=torch.bfloat16) + 0.5
+    from model.ops import contract
+
+    want = contract("rmsnorm").reference(x, w, 1e-6)
+    assert torch.equal(table.rmsnorm(x, w, 1e-6), want)
+    plain = resolve_ops("tuned", reg.root, arch="cpu", device="cpu")
+    assert plain.sources["router"] == "reference"

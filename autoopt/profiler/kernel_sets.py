@@ -25,13 +25,12 @@ from pathlib import Path
 import torch
 
 from model.ops import CONTRACTS, OpTable
+from model.ops.compiled import NOT_COMPILED, compile_reference
 
 from ..targets import TargetError
 
-NOT_COMPILED = {"moe_experts": "its reference syncs with the host (unique().tolist())"}
 # What the compile set runs for an op it does not compile, where the registry can load it.
 LIBRARY_STANDIN = {"moe_experts": "grouped_mm_v2"}
-RECOMPILE_LIMIT = 64
 
 
 @dataclass(frozen=True)
@@ -55,31 +54,20 @@ def _registry_set(name: str, device: torch.device, registry: str | None) -> Kern
         from model.registry import resolve_ops
     except ImportError as e:  # pragma: no cover - the registry ships with the model package
         raise TargetError(f"--kernels {name} needs the kernel registry ({e})") from None
-    if name != "tuned" and not Path(name).is_file():
+    base = name.removesuffix("+compile")
+    if base != "tuned" and not Path(base).is_file():
         raise TargetError(f"--kernels: {name!r} is not reference, tuned, compile, tuned+compile "
-                          "or a lock file path")
+                          "or a lock file path (LOCK+compile compiles what it leaves)")
     # A lock file given by path (the optimize loop's trial of a run's new set) may select
     # verified candidates: measuring them is the point; serving never loads them.
     table = resolve_ops(kernels=name, registry=registry, device=device, dtype=torch.bfloat16,
-                        allow_candidates=name != "tuned")
+                        allow_candidates=base != "tuned")
     refused = {op: r.refused for op, r in getattr(table, "resolution", {}).items() if r.refused}
-    used = sorted(op for op, s in table.sources.items() if s != "reference")
+    used = sorted(op for op, s in table.sources.items()
+                  if s not in ("reference", "reference (torch.compile, Inductor)"))
     notes = [f"{name}: registry variants for {', '.join(used) or 'no op'}"]
     notes += [f"{name}: {op} refused ({why}); runs the reference" for op, why in refused.items()]
     return KernelSet(name, table, tuple(notes))
-
-
-def compile_reference(fn: Callable) -> Callable:
-    """`torch.compile` of an op reference as the harness times it (Inductor, precision casts
-    kept); ints that vary between calls (add_index, T) become symbolic after one recompile."""
-    import torch._inductor.config as inductor_config
-
-    inductor_config.emulate_precision_casts = True
-    for knob in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, knob):
-            setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob),
-                                                    RECOMPILE_LIMIT))
-    return torch.compile(fn, dynamic=None)
 
 
 def _compile(_name: str, device: torch.device, registry: str | None) -> KernelSet:
@@ -102,29 +90,24 @@ def _compile(_name: str, device: torch.device, registry: str | None) -> KernelSe
 
 
 def _tuned_compile(name: str, device: torch.device, registry: str | None) -> KernelSet:
-    tuned = _registry_set("tuned", device, registry)
-    impls = {op: tuned.table.impl(op) for op, src in tuned.table.sources.items()
-             if src != "reference" and not getattr(tuned.table.impl(op), "_composed", False)}
-    sources = {op: tuned.table.sources[op] for op in impls}
-    compiled = []
-    for op, c in CONTRACTS.items():
-        if op in impls or op in NOT_COMPILED or c.compose is not None:
-            continue  # a composite without a variant is composed from its (compiled) parts
-        impls[op] = compile_reference(c.reference)
-        sources[op] = "reference (torch.compile, Inductor)"
-        compiled.append(op)
-    notes = [n.replace("tuned:", f"{name}:", 1) for n in tuned.notes]
-    notes.append(f"{name}: compiled by Inductor where the lock has no variant: "
-                 f"{', '.join(compiled) or 'no op'}")
+    base = _registry_set(name, device, registry)  # resolve_ops compiles what the lock leaves
+    table = base.table
+    compiled = sorted(op for op, src in table.sources.items()
+                      if src == "reference (torch.compile, Inductor)")
+    notes = [*base.notes, f"{name}: compiled by Inductor where the lock has no variant: "
+             f"{', '.join(compiled) or 'no op'}"]
     for op in NOT_COMPILED:
-        if op not in impls:
+        if table.sources.get(op, "reference") == "reference":
             call, refused = _standin(op, device, registry)
             if call is not None:
-                impls[op], sources[op] = call, call.source
+                impls = {o: table.impl(o) for o in CONTRACTS
+                         if not getattr(table.impl(o), "_composed", False)}
+                impls[op] = call
+                table = OpTable(impls, {**table.sources, op: call.source})
             notes.append(f"{name}: {op} has no locked variant and is not compiled; runs "
                          + (f"{op}/{LIBRARY_STANDIN[op]}" if call is not None else
                             f"the reference eagerly ({refused})"))
-    return KernelSet(name, OpTable(impls, sources), tuple(notes))
+    return KernelSet(name, table, tuple(notes))
 
 
 def _standin(op: str, device: torch.device, registry: str | None):

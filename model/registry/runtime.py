@@ -251,6 +251,9 @@ def _lock_entries(reg: Registry, kernels: str | Path, arch: str) -> dict[str, Lo
     return dict(lock.section(arch))
 
 
+COMPILE_SUFFIX = "+compile"
+
+
 def resolve_ops(kernels: str | Path = "tuned", registry: str | Path | Registry | None = None,
                 arch: str | None = None, device: str | torch.device | None = None,
                 dtype: torch.dtype | None = None, allow_candidates: bool = False) -> OpTable:
@@ -261,8 +264,19 @@ def resolve_ops(kernels: str | Path = "tuned", registry: str | Path | Registry |
     machine's arch (from `device`, or `arch` to override). Variants implement the BF16
     contracts: a model of another `dtype` runs every reference, said in `table.resolution`.
     `allow_candidates` also loads verified candidates (the optimize loop's trial of a new set;
-    never the serving default).
+    never the serving default). A `+compile` suffix (`tuned+compile`, `LOCK+compile`) runs every
+    op the set leaves at the reference under torch.compile (model/ops/compiled.py).
     """
+    if str(kernels).endswith(COMPILE_SUFFIX) and str(kernels) != COMPILE_SUFFIX:
+        from model.ops.compiled import compile_the_rest
+
+        base = str(kernels)[:-len(COMPILE_SUFFIX)]
+        table = resolve_ops(base, registry, arch, device, dtype, allow_candidates)
+        resolution = getattr(table, "resolution", {})
+        table, compiled = compile_the_rest(table)
+        table.resolution = resolution
+        log.info("--kernels %s: compiled by Inductor: %s", kernels, ", ".join(compiled))
+        return table
     reg = registry if isinstance(registry, Registry) else Registry(registry)
     if registry is not None and not reg.root.is_dir():
         raise RegistryError(f"no registry at {reg.root} (a directory of <op>/<variant>.py "
