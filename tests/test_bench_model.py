@@ -202,6 +202,7 @@ def test_tuned_plus_compile_keeps_the_lock_and_compiles_the_rest(tmp_path):
     assert src["rmsnorm"].startswith("torch_v1") and src["swiglu"].startswith("torch_v1")
     assert src["router"] == src["attention"] == "reference (torch.compile, Inductor)"
     assert src["gated_o_proj"] == "reference"  # composed from the compiled parts
+    assert src["moe_experts"] == "reference"  # as the server runs it: nothing stands in
     assert any("compiled by Inductor" in n and "rmsnorm" not in n for n in ks.notes)
     assert ks.label == "tuned+compile"
     # The compiled ops compute the reference's function (Inductor keeps its roundings; its

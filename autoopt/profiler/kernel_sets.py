@@ -11,8 +11,8 @@
   others; elsewhere the reference, eagerly. The set's notes say which. Each op compiles once per
   distinct argument kind: the layers share the ops, so 52 layers do not mean 52 compiles.
 - `tuned+compile`: the lock's variants, and every op the lock leaves at the reference under
-  `torch.compile` as in `compile`: what the server would run if it compiled what the registry
-  has no kernel for (torch.compile beats a set whose unlocked ops run eagerly).
+  `torch.compile` as in `compile`: what `autoopt serve --kernels tuned+compile` runs
+  (torch.compile beats a set whose unlocked ops run eagerly).
 - anything else: the path of a lock file (e.g. a "before" lock for comparisons).
 """
 
@@ -26,6 +26,7 @@ import torch
 
 from model.ops import CONTRACTS, OpTable
 from model.ops.compiled import NOT_COMPILED, compile_reference
+from model.ops.compiled import SOURCE as COMPILED
 
 from ..targets import TargetError
 
@@ -64,7 +65,7 @@ def _registry_set(name: str, device: torch.device, registry: str | None) -> Kern
                         allow_candidates=base != "tuned")
     refused = {op: r.refused for op, r in getattr(table, "resolution", {}).items() if r.refused}
     used = sorted(op for op, s in table.sources.items()
-                  if s not in ("reference", "reference (torch.compile, Inductor)"))
+                  if s not in ("reference", COMPILED))
     notes = [f"{name}: registry variants for {', '.join(used) or 'no op'}"]
     notes += [f"{name}: {op} refused ({why}); runs the reference" for op, why in refused.items()]
     return KernelSet(name, table, tuple(notes))
@@ -73,7 +74,7 @@ def _registry_set(name: str, device: torch.device, registry: str | None) -> Kern
 def _compile(_name: str, device: torch.device, registry: str | None) -> KernelSet:
     impls = {op: compile_reference(c.reference) for op, c in CONTRACTS.items()
              if op not in NOT_COMPILED}
-    sources = {op: "reference (torch.compile, Inductor)" for op in impls}
+    sources = dict.fromkeys(impls, COMPILED)
     notes = []
     for op, why in NOT_COMPILED.items():
         call, refused = _standin(op, device, registry)
@@ -90,24 +91,12 @@ def _compile(_name: str, device: torch.device, registry: str | None) -> KernelSe
 
 
 def _tuned_compile(name: str, device: torch.device, registry: str | None) -> KernelSet:
-    base = _registry_set(name, device, registry)  # resolve_ops compiles what the lock leaves
-    table = base.table
-    compiled = sorted(op for op, src in table.sources.items()
-                      if src == "reference (torch.compile, Inductor)")
-    notes = [*base.notes, f"{name}: compiled by Inductor where the lock has no variant: "
-             f"{', '.join(compiled) or 'no op'}"]
-    for op in NOT_COMPILED:
-        if table.sources.get(op, "reference") == "reference":
-            call, refused = _standin(op, device, registry)
-            if call is not None:
-                impls = {o: table.impl(o) for o in CONTRACTS
-                         if not getattr(table.impl(o), "_composed", False)}
-                impls[op] = call
-                table = OpTable(impls, {**table.sources, op: call.source})
-            notes.append(f"{name}: {op} has no locked variant and is not compiled; runs "
-                         + (f"{op}/{LIBRARY_STANDIN[op]}" if call is not None else
-                            f"the reference eagerly ({refused})"))
-    return KernelSet(name, table, tuple(notes))
+    # Exactly what `autoopt serve --kernels tuned+compile` runs: resolve_ops compiles what the
+    # lock leaves at the reference (an unlocked moe_experts stays the eager reference there too).
+    base = _registry_set(name, device, registry)
+    compiled = sorted(op for op, src in base.table.sources.items() if src == COMPILED)
+    return KernelSet(name, base.table, (*base.notes, f"{name}: compiled by Inductor where the "
+                                        f"lock has no variant: {', '.join(compiled) or 'no op'}"))
 
 
 def _standin(op: str, device: torch.device, registry: str | None):
