@@ -1,6 +1,7 @@
 """The judge on a GPU: every corpus variant and every registry variant judged, one verdict table.
 
-    python benchmarks/eval_harness_gpu.py --out DIR                 # on the H200, <= ~8 minutes
+    python benchmarks/eval_harness_gpu.py --out DIR --part corpus   # on the H200, ~6 minutes
+    python benchmarks/eval_harness_gpu.py --out DIR --part registry # ~6 minutes (5 at once)
     python benchmarks/eval_harness_gpu.py --out DIR2 --heavy --only moe_experts/cute_v1 \
         --jobs 1 --timeout 540                                      # the heavy op, alone
     python benchmarks/eval_harness_gpu.py --out DIR --dry-run       # on CPU: a few variants
@@ -187,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "eval-gpu-out")))
     ap.add_argument("--dry-run", action="store_true", help="CPU, a few variants, small budget")
     ap.add_argument("--only", nargs="*", help="variant names (corpus stem or op/variant)")
-    ap.add_argument("--jobs", type=int, default=8, help="verifications at once")
+    ap.add_argument("--part", choices=("all", "corpus", "registry"), default="all",
+                    help="the corpus (cheats and honest variants) or the registry's variants")
+    ap.add_argument("--jobs", type=int, default=5,
+                    help="verifications at once (ten at once on one H200 timed honest ones out)")
     ap.add_argument("--target", default="h200-tp8-decode", help="target for the GPU widths")
     ap.add_argument("--seeds", type=int, default=2, help="seeds per bucket shape")
     ap.add_argument("--max-tokens", type=int, default=None, help="cap on drawn/long T")
@@ -210,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         args.jobs, args.target = min(args.jobs, 2), None
         args.max_tokens = args.max_tokens or 32
     items = plan_items(args.only or (list(DRY_RUN_ITEMS) if args.dry_run else None))
+    if args.part != "all":
+        items = [i for i in items if i["kind"].startswith(args.part)]
     skipped = []
     if not args.heavy and not args.only:
         skipped = [_skipped(i, "heavy inputs: run alone with --heavy --only "
