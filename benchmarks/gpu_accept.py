@@ -12,7 +12,9 @@ as its locked parts' composition: a candidate must also beat that (`x_selection`
 `gpu_kernels.py` times beside it). Nothing is accepted on evidence from another arch or another
 run's GPU. `--before-lock` first writes a lock file of the selection as it was (the lock's entries
 for `--arch`, plus `--before OP=VARIANT` pins of verified candidates), for `bench model`'s "before"
-kernel set. Prints one line per op saying what it did and why.
+kernel set. Prints one line per op saying what it did and why, with the accepted variant's
+standing against torch.compile where its rows timed it (not a condition: the server runs the
+reference eagerly where the lock has no variant, unless asked for `tuned+compile`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ def geomean_x_reference(rec, gpu: str | None, key: str = "x_reference") -> float
           if b.row.get("meaningful") and (gpu is None or b.row.get("gpu") == gpu)]
     xs = [x for x in xs if isinstance(x, (int, float)) and x > 0]
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+def _vs_compile(rec, gpu: str | None) -> str:
+    """Its standing against torch.compile of the reference, where its rows timed that: the bar
+    a server that compiles what it does not lock (`--kernels tuned+compile`) sets."""
+    x = geomean_x_reference(rec, gpu, "x_compile")
+    if x is None:
+        return ""
+    return f"; x{x:.2f} over torch.compile" + (" (slower: tuned+compile would beat it)"
+                                                if x < 1.0 else "")
 
 
 def write_before_lock(reg: Registry, arch: str, path: Path, pins: list[str]) -> None:
@@ -100,13 +112,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{op}: keep {current.variant} (x{cur_x:.2f} over the reference) over "
                   f"{best[1]} (x{best[0]:.2f})")
             continue
+        vs_compile = _vs_compile(reg.read_record(op, best[1]), args.gpu)
         writers.accept(reg, op, best[1], args.arch,
                        reason=f"accepted for {args.arch} on its GPU evidence: verified there, "
                               f"x{best[0]:.2f} over the reference (geometric mean of its timing "
                               f"rows)" + (f", current {current.variant} x{cur_x:.2f}"
-                                          if cur_x else ""))
+                                          if cur_x else "") + vs_compile)
         print(f"{op}: accepted and locked {best[1]} (x{best[0]:.2f}"
-              + (f"; was {current.variant} x{cur_x:.2f})" if current else "; was the reference)"))
+              + (f"; was {current.variant} x{cur_x:.2f})" if current else "; was the reference)")
+              + vs_compile)
     return 0
 
 

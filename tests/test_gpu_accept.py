@@ -100,3 +100,19 @@ def test_a_fused_composite_must_beat_the_composition_of_its_locked_parts(tmp_pat
     assert script().main(["--registry", str(reg.root)]) == 0
     assert "gated_o_proj: accepted and locked faster_than_both_v1" in capsys.readouterr().out
     assert reg.read_lock().section(ARCH)["gated_o_proj"].variant == "faster_than_both_v1"
+
+
+def test_an_accepted_variant_says_where_it_stands_against_torch_compile(tmp_path, capsys):
+    # Beating the reference is the condition; losing to torch.compile is said, not hidden.
+    reg = Registry(tmp_path / "reg")
+    write_variant(reg, "swiglu", "fast_v1", SOURCES["swiglu"] + "# fast\n")
+    path = reg.variant_path("swiglu", "fast_v1")
+    rows_ = [{**r, "x_compile": xc} for r, xc in zip(rows(2.0, 3.0), (0.5, 0.8), strict=True)]
+    writers.record(reg, "swiglu", "fast_v1",
+                   [Verification(ARCH, "pass", sha256(path), "cuda", report={"seeds": [0]})],
+                   rows_)
+    assert script().main(["--registry", str(reg.root)]) == 0
+    out = capsys.readouterr().out
+    assert "swiglu: accepted and locked fast_v1" in out
+    assert "x0.63 over torch.compile (slower" in out
+    assert "torch.compile" in reg.read_record("swiglu", "fast_v1").status_reason
