@@ -18,7 +18,8 @@ from autoopt.agents.template import CATALOG, HEADER_MARK, TemplateAgent
 from model.ops import CONTRACTS
 
 REQUIRED = {"rmsnorm", "norm_residual_norm", "attn_output_gate", "swiglu", "logit_softcap",
-            "qk_norm_rope", "qk_norm_ssmax", "attention", "qkv_gate_proj", "moe_experts"}
+            "qk_norm_rope", "qk_norm_ssmax", "attention", "qkv_gate_proj", "moe_experts",
+            "allreduce_norm_residual_norm"}
 
 
 def test_catalog_covers_the_profiled_elementwise_and_norm_ops():
@@ -114,6 +115,21 @@ def test_qk_templates_pass_the_harness_on_cpu(op, tmp_path):
     # AVX-512 sum takes another order than the one emulated (1 of ~10^5 elements seen).
     for out in rep.checks["numerics"]["outputs"]:
         assert out["mismatch_fraction"] <= 1e-4, out
+
+
+@pytest.mark.parametrize("op", ["norm_residual_norm", "allreduce_norm_residual_norm"])
+def test_rowreg_templates_pass_the_harness_on_cpu(op, tmp_path):
+    # The one-pass form of the sandwich boundary (whole row in registers, Triton's tree order
+    # for the sums of squares): within the op's ulp policy, every near miss told apart.
+    from autoopt.eval.verify import verify_variant
+
+    (spec,) = [s for s in CATALOG[op] if s.name == "rowreg"]
+    path = tmp_path / f"{op}.py"
+    path.write_text(spec.render())
+    rep = verify_variant(op, path, device="cpu", seeds=(0, 1), config={"num_warps": 4})
+    assert rep.verdict == "pass", rep.reasons
+    for out in rep.checks["numerics"]["outputs"]:
+        assert out["mismatch_fraction"] <= 1e-3, out
 
 
 def test_ssmax_template_passes_where_follow_ups_repeat_one_honest_error(tmp_path):
