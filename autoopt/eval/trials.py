@@ -415,6 +415,10 @@ class Judge:
             # The contract's error scale (moe_experts: the combined terms' size), on the inputs.
             with torch.no_grad():
                 mags = tuple(m.cpu() for m in as_tuple(self.c.numerics.magnitude(*fresh(args))))
+            if torch.cuda.is_available():
+                # A prefill attention's scale takes two reference-sized passes in blocks: their
+                # cached blocks would leave the next reference's [Hq, T, S] softmax no room.
+                torch.cuda.empty_cache()
         out = []
         for i, (o, r, m) in enumerate(zip(outs, ref, mags, strict=True)):
             self.dtypes.setdefault(i, r.dtype)
