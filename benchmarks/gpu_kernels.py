@@ -45,7 +45,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_kernels_out")),
                    help="Output directory (default: $OUT).")
     p.add_argument("--ops", default=",".join(OPS), help="Comma-separated ops.")
-    p.add_argument("--variants", default=None, help="Comma-separated variant names (default: all).")
+    p.add_argument("--variants", default=None,
+                   help="Comma-separated variants: NAME (of every op in --ops) or OP/NAME "
+                   "(default: all).")
     p.add_argument("--registry", type=Path, default=None, help="Registry dir (default: kernels/).")
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu.")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: check the logic.")
@@ -217,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     reg = Registry(args.registry)
     wanted = set(args.variants.split(",")) if args.variants else None
     jobs = [(op, name, reg.variant_path(op, name)) for op in args.ops.split(",")
-            for name in reg.variants(op) if wanted is None or name in wanted]
+            for name in reg.variants(op)
+            if wanted is None or name in wanted or f"{op}/{name}" in wanted]
     timed_only = [tuple(x.split("/", 1)) for x in args.bench_only.split(",") if x.strip()]
     # With --bench-only and no --variants, only those are timed (nothing else is verified).
     jobs = [j for j in jobs if (j[0], j[1]) not in timed_only and (wanted or not timed_only)]

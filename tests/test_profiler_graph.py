@@ -102,6 +102,8 @@ def test_attribution_rows_sum_to_the_served_step(traces):
     from model.ops import CONTRACTS
 
     cost = CONTRACTS["moe_experts"].cost
-    want = sum(cost({"T": 1, "H": 8, "E": t, "I": 2, "k": 2}).bytes for t in (2, 1)) / 1e9 * 1e6
+    want = sum(cost({"T": 1, "H": 8, "E": 4, "I": 2, "k": 2, "touched": t}).bytes
+               for t in (2, 1)) / 1e9 * 1e6
+    assert want == pytest.approx((2 * (3 * 3 * 2 * 8 + 2 * 2 * 8) + 2 * 12 * 2) / 1e3)
     assert moe.floor_us == pytest.approx(want)
     assert kernel_us == pytest.approx(154.0)

@@ -110,13 +110,13 @@ def step_floor(calls: Sequence[OpCall], model, phase: str, batch: int, context: 
 
 def moe_call_floor_bytes(call: OpCall) -> int:
     """Bytes of `count` moe_experts calls with the experts their routing hit (the contract's
-    cost charges min(E, T*k) experts; hitting fewer reads fewer)."""
+    cost charges what its test inputs' routing hits on average)."""
     if len(call.touched) != call.count:
         return call.cost.bytes * call.count
     from model.ops import CONTRACTS
 
     cost = CONTRACTS["moe_experts"].cost
-    return sum(cost({**call.shape, "E": max(t, 1)}).bytes for t in call.touched)
+    return sum(cost({**call.shape, "touched": t}).bytes for t in call.touched)
 
 
 __all__ = ["StepFloor", "kv_step_bytes", "moe_call_floor_bytes", "step_floor"]
