@@ -167,3 +167,38 @@ def test_norm_boundary_scale_is_the_terms():
     ratio = m_next[plain] / normed.float().abs()[plain]
     assert plain.float().mean() > 0.5
     assert ratio.min() > 0.95 and ratio.max() < 4.1
+
+
+def test_the_reference_row_sum_of_bf16_squares_is_biased_low():
+    """Why the RMS ops skip the bias test (`BIASED_ROW_SUMS`): summed in one long FP32 run, the
+    squares of BF16 values (scale 3, H = 5120) come out below their exact sum in almost every
+    row, a pairwise (tree) sum far less often: how far a sum is biased depends on its order, so
+    two honest orders differ one way."""
+    g = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(256, 5120, generator=g)).to(BF16).float()
+    sq = x * x  # exact in FP32
+    exact = sq.double().sum(-1)
+    run = torch.zeros(sq.shape[0])
+    for j in range(sq.shape[1]):  # sequential FP32 adds, left to right
+        run = run + sq[:, j]
+    run = run.double()
+    tree = torch.nn.functional.pad(sq, (0, 8192 - 5120))  # zeros: a power of two wide
+    while tree.shape[-1] > 1:
+        tree = tree[:, 0::2] + tree[:, 1::2]
+    low_run = (run < exact).float().mean().item()
+    low_tree = (tree[:, 0].double() < exact).float().mean().item()
+    assert low_run > 0.9 and low_tree < 0.75
+
+
+@pytest.mark.parametrize("op,judged", [("rmsnorm", False), ("norm_residual_norm", False),
+                                       ("allreduce_norm_residual_norm", False),
+                                       ("attention", True), ("moe_experts", True),
+                                       ("qk_norm_rope", True)])
+def test_which_ops_judge_the_sign_of_their_errors(op, judged):
+    from autoopt.eval.numerics import effective_policy
+
+    policy = effective_policy(contract(op).numerics, BF16, "cuda")
+    assert policy.judge_bias is judged
+    if not judged:
+        assert contract(op).numerics.max_mismatch_fraction <= 1e-3
+        assert "no bias test" in policy.describe()

@@ -77,7 +77,9 @@ def effective_policy(numerics: Any, dtype: torch.dtype, device: str) -> Policy:
     if not dtype.is_floating_point:
         return Policy("exact", 0, 0.0, False, "integer output")
     if numerics.kind == "ulp":
-        return Policy("ulp", numerics.max_ulp, numerics.max_mismatch_fraction, True, "")
+        bias = getattr(numerics, "judge_bias", True)
+        return Policy("ulp", numerics.max_ulp, numerics.max_mismatch_fraction, bias,
+                      "" if bias else "no bias test (the op's numerics say why)")
     if device.startswith("cuda"):
         return Policy("bitwise", 0, 0.0, False, "strict on cuda")
     if dtype == torch.float32:

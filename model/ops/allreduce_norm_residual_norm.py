@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from . import norm_residual_norm as nrn
-from ._contract import Cost, Numerics, Shape, gen, norm_weight, randn
+from ._contract import BIASED_ROW_SUMS, Cost, Numerics, Shape, gen, norm_weight, randn
 
 NAME = "allreduce_norm_residual_norm"
 SIGNATURE = (
@@ -116,8 +116,10 @@ NUMERICS = Numerics(
     max_mismatch_fraction=1e-3,
     near_misses=_NEAR_MISSES,
     magnitude=magnitude,
+    judge_bias=False,
     note=("ulps at the scale of the residual add's terms, as in norm_residual_norm. With R >= 3 "
-          "also apply MULTI_RANK_NEAR_MISSES (they equal the reference at R = 2)."),
+          "also apply MULTI_RANK_NEAR_MISSES (they equal the reference at R = 2). "
+          + BIASED_ROW_SUMS),
 )
 
 

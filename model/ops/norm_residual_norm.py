@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ._contract import Cost, Numerics, Shape, gen, norm_weight, randn
+from ._contract import BIASED_ROW_SUMS, Cost, Numerics, Shape, gen, norm_weight, randn
 from .rmsnorm import reference as rmsnorm
 
 NAME = "norm_residual_norm"
@@ -110,9 +110,10 @@ NUMERICS = Numerics(
         "next_norm_on_unrounded": _next_norm_on_unrounded,
     },
     magnitude=magnitude,
+    judge_bias=False,
     note=("ulps at the scale of the residual add's terms (`magnitude`): the add cancels in "
           "places, and a one-ulp change of the normed branch moves a cancelled sum by many of "
-          "its own ulps."),
+          "its own ulps. " + BIASED_ROW_SUMS),
 )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._contract import Cost, Numerics, Shape, gen, norm_weight, randn
+from ._contract import BIASED_ROW_SUMS, Cost, Numerics, Shape, gen, norm_weight, randn
 
 NAME = "rmsnorm"
 SIGNATURE = "rmsnorm(x[T,H] bf16, weight[H] bf16, eps: float) -> [T,H] bf16"
@@ -48,6 +48,8 @@ NUMERICS = Numerics(
         "round_before_weight": _weight_in_input_dtype,
         "one_plus_weight": _one_plus_weight,
     },
+    judge_bias=False,
+    note=BIASED_ROW_SUMS,
 )
 
 
