@@ -202,3 +202,16 @@ def test_which_ops_judge_the_sign_of_their_errors(op, judged):
     if not judged:
         assert contract(op).numerics.max_mismatch_fraction <= 1e-3
         assert "no bias test" in policy.describe()
+
+
+def test_attention_scale_in_row_blocks_is_the_same_math():
+    # The scale's passes run 256 query rows at a time (a prefill chunk's [Hq, T, S] softmax
+    # must not sit twice in memory beside the reference's): the same values, up to GEMM order.
+    c = contract("attention")
+    shape = {"T": 600, "seqs": 1, "S": 700, "Hq": 2, "Hkv": 1, "D": 128, "W": 0, "page": 16}
+    args = _peaky(c.make_inputs(shape, 0), 8.0)
+    blocked = c.numerics.magnitude(*args)
+    whole = torch.maximum(attn._attention(args[0], args[1], args[2].abs(), *args[3:]).float(),
+                          attn._attention(*args, flip=True) * attn.FLIP_SCALE)
+    assert blocked.shape == whole.shape == args[0].shape
+    assert torch.allclose(blocked, whole, rtol=2**-7, atol=0)

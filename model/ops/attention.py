@@ -94,7 +94,7 @@ def _scores_probs(qh, k, mask, scale, dtype, round_scores: bool = True,
     return probs.to(dtype) if round_probs else probs
 
 
-FLIP_ROWS = 256  # query rows per `_flip_bound` block
+FLIP_ROWS = 256  # query rows per block of `magnitude`'s passes
 
 
 def _flip_bound(weights, v):
@@ -105,22 +105,26 @@ def _flip_bound(weights, v):
 
 def eager_attention(q, k, v, q_pos, k_pos, window: int, scale: float, *,
                     round_scores: bool = True, round_probs: bool = True,
-                    flip: bool = False) -> torch.Tensor:
+                    flip: bool = False, block: int = 0) -> torch.Tensor:
     """One sequence's queries q[T,Hq,D] against its keys k/v[S,Hkv,D] at positions k_pos:
     transformers' eager attention (repeated KV heads, [1, Hq, T, S] scores). `flip`: FP32
-    `_flip_bound` of each output instead."""
+    `_flip_bound` of each output instead. `block`: that many query rows at a time (the same
+    math; the GEMMs' shapes, so their reduction order, may differ), for an error scale whose
+    [Hq, T, S] passes would otherwise sit beside the reference's in memory."""
+    if block and q.shape[0] > block:
+        return torch.cat([eager_attention(q[i:i + block], k, v, q_pos[i:i + block], k_pos,
+                                          window, scale, round_scores=round_scores,
+                                          round_probs=round_probs, flip=flip)
+                          for i in range(0, q.shape[0], block)])
     n_rep = q.shape[1] // k.shape[1]
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
     kh = k.transpose(0, 1).repeat_interleave(n_rep, dim=0).unsqueeze(0)  # [1, Hq, S, D]
     vh = v.transpose(0, 1).repeat_interleave(n_rep, dim=0).unsqueeze(0)
     mask = torch.zeros(q.shape[0], k.shape[0], dtype=q.dtype, device=q.device)
     mask.masked_fill_(~visible(q_pos, k_pos, window), torch.finfo(q.dtype).min)
-    if flip:  # FP32 weights per key: a prefill chunk's at a time would be [Hq, T, S] x 16 B
-        bound = torch.cat([_flip_bound(_scores_probs(qh[:, :, i:i + FLIP_ROWS],
-                                                     kh.transpose(2, 3), mask[i:i + FLIP_ROWS],
-                                                     scale, q.dtype, flip=True), vh)
-                           for i in range(0, q.shape[0], FLIP_ROWS)], dim=2)
-        return bound[0].transpose(0, 1).contiguous()
+    if flip:
+        weights = _scores_probs(qh, kh.transpose(2, 3), mask, scale, q.dtype, flip=True)
+        return _flip_bound(weights, vh)[0].transpose(0, 1).contiguous()
     probs = _scores_probs(qh, kh.transpose(2, 3), mask, scale, q.dtype, round_scores,
                           round_probs)
     out = torch.matmul(probs, vh if round_probs else vh.float())
@@ -153,6 +157,7 @@ def _rows(q, k_cache, v_cache, page_table, kv_base, q_seq, q_pos, window, scale,
     mask = torch.zeros(ok.shape, dtype=q.dtype, device=q.device)
     mask.masked_fill_(~ok, torch.finfo(q.dtype).min)
     qh = q.view(t, hkv, hq // hkv, d)  # query head h reads KV head h // (Hq / Hkv)
+    flags.pop("block", None)  # one query row per page-table row: nothing to split
     probs = _scores_probs(qh, k.permute(0, 2, 3, 1), mask[:, None, None, :], scale, q.dtype,
                           **flags)  # [T, Hkv, rep, S]
     vv = v.permute(0, 2, 1, 3)
@@ -224,11 +229,11 @@ def magnitude(q, k_cache, v_cache, page_table, kv_base, q_seq, q_pos, window: in
       a score that rounds the other way moves its weight by up to 2^-6 and the output by many
       ulps of sum_j P_j |v_j|. Elsewhere the first term is larger (~0.8 against ~0.03 for
       Gaussian inputs over a few hundred keys), so the bound widens only on such rows."""
-    args = (q, k_cache, page_table, kv_base, q_seq, q_pos, window, scale)
-    terms = _attention(q, k_cache, v_cache.abs(), *args[2:]).float()
+    args = (page_table, kv_base, q_seq, q_pos, window, scale)
+    terms = _attention(q, k_cache, v_cache.abs(), *args, block=FLIP_ROWS).float()
     if q.shape[0] == 0:
         return terms
-    flip = _attention(q, k_cache, v_cache, *args[2:], flip=True)
+    flip = _attention(q, k_cache, v_cache, *args, flip=True, block=FLIP_ROWS)
     return torch.maximum(terms, flip * FLIP_SCALE)
 
 
