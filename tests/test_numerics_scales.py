@@ -215,3 +215,32 @@ def test_attention_scale_in_row_blocks_is_the_same_math():
                           attn._attention(*args, flip=True) * attn.FLIP_SCALE)
     assert blocked.shape == whole.shape == args[0].shape
     assert torch.allclose(blocked, whole, rtol=2**-7, atol=0)
+
+
+def test_attention_sparse_shortcut_still_fails_with_the_scale(monkeypatch):
+    # A faster wrong kernel: keys below 1% of their row's largest probability dropped (sparse
+    # attention). The scale widens the peaky rows' bound, but every output it moves is a
+    # mismatch, and the policy's mismatch fraction rejects it.
+    from autoopt.eval.numerics import OutputStats, effective_policy, judge
+
+    c = contract("attention")
+    shape = {"T": 24, "seqs": 2, "S": 300, "Hq": 6, "Hkv": 1, "D": 128, "W": 0, "page": 16}
+    args = _peaky(c.make_inputs(shape, 2), 16.0)
+    ref = c.reference(*args)
+    real = attn._scores_probs
+
+    def sparse(qh, k, mask, scale, dtype, round_scores=True, round_probs=True, flip=False):
+        probs = real(qh, k, mask, scale, dtype, round_scores, False, flip)
+        if flip:
+            return probs
+        probs = torch.where(probs < 0.01 * probs.amax(-1, keepdim=True), 0.0, probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+        return probs.to(dtype) if round_probs else probs
+
+    with monkeypatch.context() as m:
+        m.setattr(attn, "_scores_probs", sparse)
+        wrong = c.reference(*args)
+    stats = OutputStats()
+    stats.add(wrong, ref, magnitude=c.numerics.magnitude(*args))
+    reasons = judge(effective_policy(c.numerics, BF16, "cuda"), stats, "output 0")
+    assert any("mismatch fraction" in r for r in reasons), reasons
