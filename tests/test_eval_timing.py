@@ -151,3 +151,26 @@ def test_a_clock_disagreement_is_measured_again_before_the_timing_is_voided(monk
 def test_bench_op_refuses_a_screened_variant():
     with pytest.raises(ValueError, match="static screen: imports subprocess"):
         bench_op("swiglu", CORPUS / "subprocess_use.py", [{"T": 1, "I": 8}], "cpu")
+
+
+def test_compile_baseline_compiles_once_per_shape():
+    # norm_residual_norm draws its add_index (a Python int) per input set; compiled code
+    # specialises on it, so each set had compiled again. The baseline's sets share the first
+    # set's scalars: one compile, and every set's tensors still distinct.
+    import torch._dynamo
+
+    from autoopt.eval import bench
+
+    made = bench._one_scalar_set(bench._sets(contract("norm_residual_norm"), {"T": 2, "H": 32},
+                                             "cpu", bench.Secret()))
+    sets = made(3) + made(2)
+    assert len({s[4] for s in sets}) == 1 and all(s[5] == sets[0][5] for s in sets)
+    assert len({s[0].data_ptr() for s in sets}) == 5
+    assert not torch.equal(sets[0][0], sets[1][0])
+    graphs = torch._dynamo.utils.counters["stats"]
+    before = graphs["unique_graphs"]
+    (row,) = bench_op("norm_residual_norm", None, [{"T": 3, "H": 64}], "cpu", warmup=2, iters=4,
+                      compile=True)
+    if row.compile_us is None:
+        pytest.skip(f"Inductor cannot compile here: {row.notes}")
+    assert graphs["unique_graphs"] - before == 1
