@@ -10,7 +10,7 @@ machine's), benchmark rows per GPU. The judge is reached through two entry point
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,28 +49,35 @@ def bench_plan(op: str, device: str, target: str | None = None,
 
 
 def bench(op: str, path: Path, plan: Sequence[tuple[str, dict]], device: str, *,
-          warmup: int = 10, iters: int = 50, compile: bool = True,
-          timeout_s: float = 900) -> list[dict[str, Any]]:
-    """Timing rows of reference, torch.compile and the variant, each labelled with its target."""
+          warmup: int = 10, iters: int = 50, compile: bool = True, timeout_s: float = 900,
+          on_rows: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+    """Timing rows of reference, torch.compile and the variant, each labelled with its target.
+    `on_rows(rows so far)` after each shape: a caller cut off keeps what was timed."""
     from autoopt.eval import bench_op
 
-    rows = bench_op(op, path, [s for _, s in plan], device, warmup=warmup, iters=iters,
-                    compile=compile, timeout_s=timeout_s)
     targets = {json.dumps(s, sort_keys=True): t for t, s in plan}
-    out = []
-    for row in rows:
+    out: list[dict[str, Any]] = []
+
+    def labelled(row) -> None:
         d = row.to_dict()
         out.append({**d, "target": targets.get(json.dumps(d["shape"], sort_keys=True), "-")})
+        if on_rows is not None:
+            on_rows(list(out))
+
+    bench_op(op, path, [s for _, s in plan], device, warmup=warmup, iters=iters,
+             compile=compile, timeout_s=timeout_s, on_row=labelled)
     return out
 
 
 def record_evidence(reg: Registry, op: str, name: str, device: str, report: Mapping[str, Any],
-                    rows: Sequence[Mapping[str, Any]], agent: str = "hand-written") -> Record:
-    """Write the report (as this machine's arch's verification) and rows into the record. A
-    report that names no file hash is taken to be of the file as it is now."""
+                    rows: Sequence[Mapping[str, Any]], agent: str = "hand-written",
+                    drop_gpus: Sequence[str] = ()) -> Record:
+    """Write the report (as this machine's arch's verification) and rows into the record (and
+    drop the rows of `drop_gpus` that no new row replaces). A report that names no file hash is
+    taken to be of the file as it is now."""
     sha = reg.read_variant(op, name)[0].sha256
     check = Verification.from_report(current_arch(device), report, sha, f"{op}/{name}.py")
-    return writers.record(reg, op, name, [check], rows, agent)
+    return writers.record(reg, op, name, [check], rows, agent, drop_gpus)
 
 
 @dataclass(frozen=True)

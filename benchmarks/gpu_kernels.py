@@ -128,13 +128,15 @@ def verify_all(jobs: list[tuple[str, str, Path]], device: str, seeds: int, dry: 
     return reports
 
 
-def bench(op: str, source: Path, plan: list[tuple[str, dict]], device: str, args) -> list[dict]:
+def bench(op: str, source: Path, plan: list[tuple[str, dict]], device: str, args,
+          on_rows=None) -> list[dict]:
+    """Rows of `op`'s variant at `plan`; `on_rows(rows so far)` after each shape."""
     from autoopt.registry_record import bench as bench_rows
 
     dry = args.dry_run
     rows = bench_rows(op, source, plan, device, warmup=1 if dry else args.warmup,
                       iters=2 if dry else args.iters, compile=not (dry or args.no_compile),
-                      timeout_s=900)
+                      timeout_s=900, on_rows=on_rows)
     return with_selection(op, rows, plan, device, args)
 
 
@@ -214,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     from autoopt.registry_record import record_evidence
-    from model.registry import Registry, current_arch, writers
+    from model.registry import Benchmark, Registry, current_arch, writers
 
     reg = Registry(args.registry)
     wanted = set(args.variants.split(",")) if args.variants else None
@@ -262,22 +264,34 @@ def main(argv: list[str] | None = None) -> int:
             continue
         t0 = time.monotonic()
         bench_error = None
+        out = out_registry(reg, args.out, op, name)
+
+        written: set[str] = set()  # GPUs whose rows a cut-off or failed run left
+
+        def write(rows, op=op, name=name, report=report, out=out, written=written) -> None:
+            written.update(Benchmark(r).gpu for r in rows)
+            for dst in (out, reg) if args.write_registry else (out,):
+                # The verification is already in the record (earlier, or in `verified` above
+                # when the registry is written): add this GPU's rows to it.
+                if report.get("earlier") or args.write_registry:
+                    writers.record(dst, op, name, [], rows, args.agent,
+                                   drop_gpus=() if rows else sorted(written))
+                else:
+                    record_evidence(dst, op, name, device, report, rows, args.agent,
+                                    drop_gpus=() if rows else sorted(written))
+
         try:
             if report["verdict"] != "pass":
                 raise ValueError("not timed: rejected")
             plan = bench_plan(op, device, args.dry_run, _ints(args.decode_tokens),
                               _ints(args.prefill_tokens))
-            rows = bench(op, source, plan, device, args)
+            # Each shape's rows are written as they come: a stage cut off keeps them.
+            rows = bench(op, source, plan, device, args, on_rows=write)
         except (RuntimeError, ValueError) as exc:  # one op's failure must not lose the others
+            # No rows of a run that failed (a variant caught attempting blocked operations at
+            # its end included): the shapes it had written are dropped again.
             rows, bench_error = [], str(exc)
-        out = out_registry(reg, args.out, op, name)
-        for dst in (out, reg) if args.write_registry else (out,):
-            # The verification is already in the record (earlier, or in `verified` above
-            # when the registry is written): add this GPU's rows to it.
-            if report.get("earlier") or args.write_registry:
-                writers.record(dst, op, name, [], rows, args.agent)
-            else:
-                record_evidence(dst, op, name, device, report, rows, args.agent)
+        write(rows)
         path = out.record_path(op, name)
         results.append({"op": op, "variant": name, "verdict": report["verdict"],
                         "reasons": report["reasons"], "rows": rows, "record": str(path),

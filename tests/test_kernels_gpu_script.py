@@ -129,3 +129,49 @@ def test_a_composite_is_timed_beside_the_composition_of_its_locked_parts(tmp_pat
     plain = [{"shape": {"T": 1, "H": 16}, "median_us": 1.0}]
     assert load_script().with_selection("rmsnorm", plain, [("-", {"T": 1, "H": 16})], "cpu",
                                         args) == [{"shape": {"T": 1, "H": 16}, "median_us": 1.0}]
+
+
+@pytest.mark.parametrize("how", ["cut_off", "fails"])
+def test_timed_shapes_are_kept_when_the_stage_is_cut_off_and_dropped_when_the_run_fails(
+        tmp_path, monkeypatch, capsys, how):
+    # Rows are written shape by shape: a stage whose time runs out after the first shape keeps
+    # it; a timing run that fails at its end (the worker caught attempting blocked operations)
+    # leaves no rows of its own.
+    import shutil
+
+    from autoopt import registry_record
+    from autoopt.eval import bench as eval_bench
+
+    script = load_script()
+    reg_root = tmp_path / "reg"
+    shutil.copytree(DEFAULT_ROOT / "rmsnorm", reg_root / "rmsnorm")
+    real = eval_bench._row
+    made = []
+
+    def row_then_stop(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        if len(made) == 2:  # the second shape's row is made, then the stage ends
+            if how == "cut_off":
+                raise KeyboardInterrupt("the stage's time ran out")
+        return made[-1]
+
+    monkeypatch.setattr(eval_bench, "_row", row_then_stop)
+    if how == "fails":
+        real_bench = registry_record.bench
+
+        def failing(*args, **kwargs):
+            real_bench(*args, **kwargs)
+            raise RuntimeError("the variant attempted blocked operations: ['socket']")
+
+        monkeypatch.setattr(registry_record, "bench", failing)
+    argv = ["--dry-run", "--ops", "rmsnorm", "--bench-only", "rmsnorm/triton_v1",
+            "--registry", str(reg_root), "--write-registry", "--out", str(tmp_path / "out")]
+    if how == "cut_off":
+        with pytest.raises(KeyboardInterrupt):
+            script.main(argv)
+    else:
+        assert script.main(argv) == 1
+    rec = Registry(reg_root).read_record("rmsnorm", "triton_v1")
+    cpu_rows = [b.shape["T"] for b in rec.benchmarks if b.gpu == "cpu"]
+    assert cpu_rows == ([1] if how == "cut_off" else [])
+    assert "blocked operations" in capsys.readouterr().out or how == "cut_off"

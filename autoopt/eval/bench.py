@@ -10,8 +10,10 @@ like. Input seeds come from a secret drawn per call.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +79,11 @@ def _time_compile(c: Any, shape: dict, device: str, warmup: int, iters: int, sec
 
 def bench_op(op: str, variant_source: Path | None, shapes: list[dict], device: str, *,
              warmup: int = 10, iters: int = 50, compile: bool = True,
-             config: dict | None = None, timeout_s: float = 600) -> list[BenchRow]:
-    """Time reference, torch.compile and the variant (if any) at `shapes`."""
+             config: dict | None = None, timeout_s: float = 600,
+             on_row: Callable[[BenchRow], None] | None = None) -> list[BenchRow]:
+    """Time reference, torch.compile and the variant (if any) at `shapes`, shape by shape (all
+    three side by side before the next shape); `on_row(row)` as each shape's row is made, so a
+    caller whose time runs out keeps the shapes that were timed."""
     from model.ops import contract
     from model.ops.precision import contract_precision
 
@@ -96,32 +101,42 @@ def bench_op(op: str, variant_source: Path | None, shapes: list[dict], device: s
     secret = Secret()
     env = run_env(device)
     env["git_commit"] = git_commit()
-    with contract_precision():
+    impl = variant_source.stem if variant_source is not None else "reference"
+    rows: list[BenchRow] = []
+    with contract_precision(), _candidate(c, text, device, config, timeout_s, secret) as cand:
         ceilings = measure_ceilings(device)
-        base = []
         for shape in shapes:
             t0 = time.monotonic()
             ref = time_callable(c.reference, _sets(c, shape, device, secret), device=device,
                                 warmup=warmup, iters=iters)
             comp, note = _time_compile(c, shape, device, warmup, iters, secret, compile)
-            base.append((dict(shape), ref, comp, note))
             log.info("%s: reference%s timed at %s in %.1f s", c.name,
                      " and torch.compile" if comp else "", _label(shape),
                      time.monotonic() - t0)
-        if text is None:
-            return [_row(c, "reference", s, r, r, comp, note, ceilings, env, device)
-                    for s, r, comp, note in base]
-        timings = _time_candidate(c, text, [b[0] for b in base], device, warmup, iters, config,
-                                  timeout_s, secret)
-    return [_row(c, variant_source.stem, s, t, r, comp, note, ceilings, env, device)
-            for (s, r, comp, note), t in zip(base, timings, strict=True)]
+            t = ref
+            if cand is not None:
+                t0 = time.monotonic()
+                t = cand(dict(shape), warmup, iters)
+                log.info("%s: candidate timed at %s in %.1f s", c.name, _label(shape),
+                         time.monotonic() - t0)
+            rows.append(_row(c, impl, dict(shape), t, ref, comp, note, ceilings, env, device))
+            if on_row is not None:
+                on_row(rows[-1])
+    return rows
 
 
-def _time_candidate(c: Any, text: bytes, shapes: list[dict], device: str, warmup: int,
-                    iters: int, config: dict | None, timeout_s: float,
-                    secret: Secret) -> list[Timing]:
+@contextlib.contextmanager
+def _candidate(c: Any, text: bytes | None, device: str, config: dict | None, timeout_s: float,
+               secret: Secret) -> Iterator[Callable[[dict, int, int], Timing] | None]:
+    """A function that times the candidate at a shape in its worker (started once, for every
+    shape), or None without a candidate. After the last shape the worker is asked what it
+    tried that was blocked."""
+    if text is None:
+        yield None
+        return
     from .channel import Worker, WorkerError
     from .run import POISON_DTYPES, palette_bits, start_candidate
+    from .timing import time_in_worker
     from .trials import Judge
     from .verify import CPU_MEM_LIMIT
 
@@ -134,20 +149,13 @@ def _time_candidate(c: Any, text: bytes, shapes: list[dict], device: str, warmup
             if err:
                 raise RuntimeError(f"benchmark of {c.name} failed: {err}")
             j = Judge(c, w, device, palette_bits(palettes))
-            from .timing import time_in_worker
-
-            out = []
-            for s in shapes:
-                t0 = time.monotonic()
-                out.append(time_in_worker(j, s, secret, warmup=warmup, iters=iters))
-                log.info("%s: candidate timed at %s in %.1f s", c.name, _label(s),
-                         time.monotonic() - t0)
+            yield lambda shape, warmup, iters: time_in_worker(j, shape, secret, warmup=warmup,
+                                                              iters=iters)
             blocked = w.request({"cmd": "ping"})["blocked"]
         except WorkerError as e:
             raise RuntimeError(f"benchmark of {c.name} failed in its worker: {e}") from None
     if blocked:
         raise RuntimeError(f"the variant attempted blocked operations: {blocked[:3]}")
-    return out
 
 
 def _label(shape: dict) -> str:

@@ -120,10 +120,12 @@ def tune(reg: Registry, op: str, name: str, configs: ConfigTable,
 
 
 def record(reg: Registry, op: str, name: str, verification: Sequence[Verification],
-           benchmarks: Sequence[Mapping] = (), agent: str = "hand-written") -> Record:
+           benchmarks: Sequence[Mapping] = (), agent: str = "hand-written",
+           drop_gpus: Sequence[str] = ()) -> Record:
     """Verification (it replaces the earlier entries of the same archs) and benchmark rows (they
-    replace the rows of the same GPUs) of a variant file already in the registry; a variant
-    without a record gets a candidate record first."""
+    replace the rows of the same GPUs, and of `drop_gpus`: rows a failed timing run had
+    written) of a variant file already in the registry; a variant without a record gets a
+    candidate record first."""
     variant, _ = reg.read_variant(op, name)
     rec = reg.read_record(op, name) or Record(variant, provenance(agent), "candidate",
                                               "recorded; awaiting review")
@@ -132,7 +134,7 @@ def record(reg: Registry, op: str, name: str, verification: Sequence[Verificatio
     for v in verification:
         rec = rec.with_verification(v)
     rows = [Benchmark(b) for b in benchmarks]
-    gpus = {b.gpu for b in rows}
+    gpus = {b.gpu for b in rows} | set(drop_gpus)
     kept = tuple(b for b in rec.benchmarks if b.gpu not in gpus)
     rec = rec.replace(benchmarks=kept + tuple(rows))
     _check_verified_bytes(rec)
