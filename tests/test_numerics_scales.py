@@ -19,7 +19,7 @@ BF16 = torch.bfloat16
 def _flipped_top_scores(monkeypatch) -> None:
     """The reference with each row's largest BF16 score q.k rounded the other way: what an
     honest kernel that sums q.k in another order gives where that score is a near tie (rare,
-    ~28 outputs in 24M on an H200, but it is the case the bound must cover)."""
+    ~28 outputs in 6.1M on an H200, but it is the case the bound must cover)."""
     real = attn._scores_probs
 
     def scores_probs(qh, k, mask, scale, dtype, round_scores=True, round_probs=True, flip=False):
