@@ -43,6 +43,7 @@ declare -A STAGES=(
   [router]="python3 benchmarks/router_cute_gpu.py --out \$R/router \${ROUTER_ARGS:-}"
   [attention]="python3 benchmarks/attention_gpu.py --out \$R/attention \${ATTENTION_ARGS:-}"
   [eval]="python3 benchmarks/eval_harness_gpu.py --out \$R/eval \${EVAL_ARGS:-}"
+  [verify]="mkdir -p \$R/verify && python3 -m autoopt.cli verify --device cuda --json \${VERIFY_ARGS:?set VERIFY_ARGS, e.g. --op attention --variant triton_v1 --secret HEX} > \$R/verify/report.json; tail -c 2000 \$R/verify/report.json"
   [bench-model]="python3 benchmarks/gpu_profile.py --out \$R/bench-model --budget-s \$((STAGE_S - 30)) \${PROFILE_ARGS:---baseline benchmarks/moe-only.lock.toml}"
   [bench-step]="python3 -m autoopt.cli bench model --target h200-tp8-decode --context 8192 --kernels \${STEP_SETS:-benchmarks/moe-only.lock.toml,tuned} --row-s 8 --budget \$((STAGE_S - 45))s --out \$R/bench-step \${STEP_ARGS:-}"
   [agents]="python3 benchmarks/agents_gpu.py --out \$R/agents"
