@@ -244,3 +244,22 @@ def test_attention_sparse_shortcut_still_fails_with_the_scale(monkeypatch):
     stats.add(wrong, ref, magnitude=c.numerics.magnitude(*args))
     reasons = judge(effective_policy(c.numerics, BF16, "cuda"), stats, "output 0")
     assert any("mismatch fraction" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("t", [1, 8, 32, 128])
+def test_moe_cost_charges_the_experts_its_inputs_hit(t):
+    # The op's floor reads the experts the test inputs' routing hits, on average: a floor above
+    # what they hit makes an honest kernel "faster than the floor" (on the H200 at T = 32 the
+    # old min(E, T*k) = 256 experts was 597 us against a kernel's 477).
+    from model.ops import moe_experts as moe
+
+    hit = [len(torch.unique(moe.make_inputs({"T": t, "H": 8, "E": 256, "I": 4, "k": 8}, s)[4]))
+           for s in range(30)]
+    expected = moe.expected_touched(t, 256, 8)
+    assert sum(hit) / len(hit) == pytest.approx(expected, rel=0.03)
+    cost = moe.cost({"T": t, "H": 5120, "E": 256, "I": 320, "k": 8})
+    per_expert = 2 * 3 * 320 * 5120
+    activations = 2 * 2 * t * 5120 + 12 * t * 8  # x in, out back, ids and weights
+    assert (cost.bytes - activations) / per_expert == pytest.approx(min(256, t * 8, expected))
+    counted = moe.cost({"T": t, "H": 5120, "E": 256, "I": 320, "k": 8, "touched": 3})
+    assert counted.bytes < 4 * per_expert
