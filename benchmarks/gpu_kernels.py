@@ -270,15 +270,14 @@ def main(argv: list[str] | None = None) -> int:
 
         def write(rows, op=op, name=name, report=report, out=out, written=written) -> None:
             written.update(Benchmark(r).gpu for r in rows)
+            drop = () if rows else sorted(written)
             for dst in (out, reg) if args.write_registry else (out,):
                 # The verification is already in the record (earlier, or in `verified` above
                 # when the registry is written): add this GPU's rows to it.
                 if report.get("earlier") or args.write_registry:
-                    writers.record(dst, op, name, [], rows, args.agent,
-                                   drop_gpus=() if rows else sorted(written))
+                    writers.record(dst, op, name, [], rows, args.agent, drop)
                 else:
-                    record_evidence(dst, op, name, device, report, rows, args.agent,
-                                    drop_gpus=() if rows else sorted(written))
+                    record_evidence(dst, op, name, device, report, rows, args.agent, drop)
 
         try:
             if report["verdict"] != "pass":

@@ -22,9 +22,9 @@ def _flipped_top_scores(monkeypatch) -> None:
     ~28 outputs in 6.1M on an H200, but it is the case the bound must cover)."""
     real = attn._scores_probs
 
-    def scores_probs(qh, k, mask, scale, dtype, round_scores=True, round_probs=True, flip=False):
-        if flip or not round_scores:
-            return real(qh, k, mask, scale, dtype, round_scores, round_probs, flip)
+    def scores_probs(qh, k, mask, scale, dtype, round_scores=True, round_probs=True):
+        if not round_scores:
+            return real(qh, k, mask, scale, dtype, round_scores, round_probs)
         exact = torch.matmul(qh.double(), k.double())
         rn = exact.to(dtype)
         one = torch.ldexp(torch.ones_like(rn.float()), torch.frexp(rn.float())[1] - 8)
@@ -205,14 +205,13 @@ def test_which_ops_judge_the_sign_of_their_errors(op, judged):
 
 
 def test_attention_scale_in_row_blocks_is_the_same_math():
-    # The scale's passes run 256 query rows at a time (a prefill chunk's [Hq, T, S] softmax
+    # The scale's pass runs 256 query rows at a time (a prefill chunk's [Hq, T, S] softmax
     # must not sit twice in memory beside the reference's): the same values, up to GEMM order.
     c = contract("attention")
     shape = {"T": 600, "seqs": 1, "S": 700, "Hq": 2, "Hkv": 1, "D": 128, "W": 0, "page": 16}
     args = _peaky(c.make_inputs(shape, 0), 8.0)
     blocked = c.numerics.magnitude(*args)
-    whole = torch.maximum(attn._attention(args[0], args[1], args[2].abs(), *args[3:]).float(),
-                          attn._attention(*args, flip=True) * attn.FLIP_SCALE)
+    whole = attn._attention(*args, error_scale=True)
     assert blocked.shape == whole.shape == args[0].shape
     assert torch.allclose(blocked, whole, rtol=2**-7, atol=0)
 
@@ -229,10 +228,8 @@ def test_attention_sparse_shortcut_still_fails_with_the_scale(monkeypatch):
     ref = c.reference(*args)
     real = attn._scores_probs
 
-    def sparse(qh, k, mask, scale, dtype, round_scores=True, round_probs=True, flip=False):
-        probs = real(qh, k, mask, scale, dtype, round_scores, False, flip)
-        if flip:
-            return probs
+    def sparse(qh, k, mask, scale, dtype, round_scores=True, round_probs=True):
+        probs = real(qh, k, mask, scale, dtype, round_scores, False)
         probs = torch.where(probs < 0.01 * probs.amax(-1, keepdim=True), 0.0, probs)
         probs = probs / probs.sum(-1, keepdim=True)
         return probs.to(dtype) if round_probs else probs

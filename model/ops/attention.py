@@ -73,48 +73,57 @@ def check(q, k_cache, v_cache, page_table, kv_base, q_seq, q_pos) -> None:
                          f"{tuple(q_seq.shape)}, {tuple(q_pos.shape)}")
 
 
-def _scores_probs(qh, k, mask, scale, dtype, round_scores: bool = True,
-                  round_probs: bool = True, flip: bool = False):
-    """Softmax probabilities of qh against k with an additive mask, at the eager rounding points
-    (a near miss drops one of them). `flip`: each key's weight in `flip_bound` instead."""
+def _scores(qh, k, scale, round_scores: bool = True):
     if round_scores:
-        scores = torch.matmul(qh, k) * scale  # BF16 product, BF16 scale: two roundings
-    else:
-        scores = torch.matmul(qh.float(), k.float()) * scale
-    probs = torch.softmax(scores + mask, dim=-1, dtype=torch.float32)
-    if flip:
-        # Key j's score rounding the other way (q.k summed in another order, then two
-        # roundings) moves it by up to u_j = two of its ulps, and the output by
-        # p_j u_j (v_j - out) to first order, where |v_j - out| <= 2 (1 - p_j) max|v|; its
-        # rounded probability moving by one of its ulps moves the output by at most
-        # p_j 2^-7 max|v|. The weight of key j per max|v|:
-        _, e = torch.frexp(scores.float())
-        u = torch.ldexp(torch.full_like(probs, 2.0), e - 8)
-        return probs * (2.0 * (1.0 - probs) * u + 2.0**-7)
+        return torch.matmul(qh, k) * scale  # BF16 product, BF16 scale: two roundings
+    return torch.matmul(qh.float(), k.float()) * scale
+
+
+def _scores_probs(qh, k, mask, scale, dtype, round_scores: bool = True,
+                  round_probs: bool = True):
+    """Softmax probabilities of qh against k with an additive mask, at the eager rounding points
+    (a near miss drops one of them)."""
+    probs = torch.softmax(_scores(qh, k, scale, round_scores) + mask, dim=-1, dtype=torch.float32)
     return probs.to(dtype) if round_probs else probs
 
 
-FLIP_ROWS = 256  # query rows per block of `magnitude`'s passes
+FLIP_ROWS = 256  # query rows per block of `magnitude`'s pass
+# ulps of bf16 at a magnitude m are at least m * 2^-8: at FLIP_SCALE * bound, max_ulp (3)
+# of them cover a change of `bound`.
+FLIP_SCALE = 2.0**8 / 3
 
 
-def _flip_bound(weights, v):
-    """The largest change one flipped score or probability can make to each output:
-    max_j weights_j * max_j |v_j| over the keys j a row sees (masked keys weigh 0)."""
-    return weights.amax(-1, keepdim=True) * v.float().abs().amax(-2, keepdim=True)
+def _error_scale(qh, k, mask, scale, dtype, v):
+    """`magnitude` from one pass over the scores: the larger of the P.V terms' size,
+    bf(P) @ |v| as the reference computes it, and FLIP_SCALE times the largest change one
+    flipped score or probability can make, max_j w_j * max_j |v_j| over the keys a row sees
+    (masked keys weigh 0)."""
+    scores = _scores(qh, k, scale)
+    probs = torch.softmax(scores + mask, dim=-1, dtype=torch.float32)
+    terms = torch.matmul(probs.to(dtype), v.abs()).to(dtype).float()
+    # Key j's score rounding the other way (q.k summed in another order, then two roundings)
+    # moves it by up to u_j = two of its ulps, and the output by p_j u_j (v_j - out) to first
+    # order, where |v_j - out| <= 2 (1 - p_j) max|v|; its rounded probability moving by one of
+    # its ulps moves the output by at most p_j 2^-7 max|v|. The weight of key j per max|v|:
+    _, e = torch.frexp(scores.float())
+    u = torch.ldexp(torch.full_like(probs, 2.0), e - 8)
+    w = probs * (2.0 * (1.0 - probs) * u + 2.0**-7)
+    flip = w.amax(-1, keepdim=True) * v.float().abs().amax(-2, keepdim=True)
+    return torch.maximum(terms, flip * FLIP_SCALE)
 
 
 def eager_attention(q, k, v, q_pos, k_pos, window: int, scale: float, *,
                     round_scores: bool = True, round_probs: bool = True,
-                    flip: bool = False, block: int = 0) -> torch.Tensor:
+                    error_scale: bool = False, block: int = 0) -> torch.Tensor:
     """One sequence's queries q[T,Hq,D] against its keys k/v[S,Hkv,D] at positions k_pos:
-    transformers' eager attention (repeated KV heads, [1, Hq, T, S] scores). `flip`: FP32
-    `_flip_bound` of each output instead. `block`: that many query rows at a time (the same
-    math; the GEMMs' shapes, so their reduction order, may differ), for an error scale whose
-    [Hq, T, S] passes would otherwise sit beside the reference's in memory."""
+    transformers' eager attention (repeated KV heads, [1, Hq, T, S] scores). `error_scale`:
+    FP32 `_error_scale` of each output instead. `block`: that many query rows at a time (the
+    same math; the GEMMs' shapes, so their reduction order, may differ), for an error scale
+    whose [Hq, T, S] pass would otherwise sit beside the reference's in memory."""
     if block and q.shape[0] > block:
         return torch.cat([eager_attention(q[i:i + block], k, v, q_pos[i:i + block], k_pos,
                                           window, scale, round_scores=round_scores,
-                                          round_probs=round_probs, flip=flip)
+                                          round_probs=round_probs, error_scale=error_scale)
                           for i in range(0, q.shape[0], block)])
     n_rep = q.shape[1] // k.shape[1]
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
@@ -122,9 +131,9 @@ def eager_attention(q, k, v, q_pos, k_pos, window: int, scale: float, *,
     vh = v.transpose(0, 1).repeat_interleave(n_rep, dim=0).unsqueeze(0)
     mask = torch.zeros(q.shape[0], k.shape[0], dtype=q.dtype, device=q.device)
     mask.masked_fill_(~visible(q_pos, k_pos, window), torch.finfo(q.dtype).min)
-    if flip:
-        weights = _scores_probs(qh, kh.transpose(2, 3), mask, scale, q.dtype, flip=True)
-        return _flip_bound(weights, vh)[0].transpose(0, 1).contiguous()
+    if error_scale:
+        return _error_scale(qh, kh.transpose(2, 3), mask, scale, q.dtype, vh)[0].transpose(
+            0, 1).contiguous()
     probs = _scores_probs(qh, kh.transpose(2, 3), mask, scale, q.dtype, round_scores,
                           round_probs)
     out = torch.matmul(probs, vh if round_probs else vh.float())
@@ -158,11 +167,10 @@ def _rows(q, k_cache, v_cache, page_table, kv_base, q_seq, q_pos, window, scale,
     mask.masked_fill_(~ok, torch.finfo(q.dtype).min)
     qh = q.view(t, hkv, hq // hkv, d)  # query head h reads KV head h // (Hq / Hkv)
     flags.pop("block", None)  # one query row per page-table row: nothing to split
-    probs = _scores_probs(qh, k.permute(0, 2, 3, 1), mask[:, None, None, :], scale, q.dtype,
-                          **flags)  # [T, Hkv, rep, S]
-    vv = v.permute(0, 2, 1, 3)
-    if flags.get("flip"):
-        return _flip_bound(probs, vv).reshape(t, hq, d)
+    kt, mask, vv = k.permute(0, 2, 3, 1), mask[:, None, None, :], v.permute(0, 2, 1, 3)
+    if flags.pop("error_scale", False):
+        return _error_scale(qh, kt, mask, scale, q.dtype, vv).reshape(t, hq, d)
+    probs = _scores_probs(qh, kt, mask, scale, q.dtype, **flags)  # [T, Hkv, rep, S]
     out = torch.matmul(probs, vv if probs.dtype == vv.dtype else vv.float())
     return out.to(q.dtype).reshape(t, hq, d)
 
@@ -214,28 +222,22 @@ def _fp32_scores(*args):
     return _attention(*args, round_scores=False)
 
 
-# ulps of bf16 at a magnitude m are at least m * 2^-8: at FLIP_SCALE * bound, max_ulp (3)
-# of them cover a change of `bound`.
-FLIP_SCALE = 2.0**8 / 3
-
-
 def magnitude(q, k_cache, v_cache, page_table, kv_base, q_seq, q_pos, window: int,
               scale: float) -> torch.Tensor:
     """[T, Hq, D] FP32: the larger of
     - sum_j P_j |v_j|, the size of the terms P.V adds (values cancel there, so a near-zero
       output moves by many of its own ulps when one term's rounding flips), and
     - FLIP_SCALE times the change one flipped BF16 score or probability can make to the output
-      (`_flip_bound`): where one key dominates a row (outlier channels in q make such rows),
-      a score that rounds the other way moves its weight by up to 2^-6 and the output by many
-      ulps of sum_j P_j |v_j|. On Gaussian inputs the first term is the larger for 98-99% of
-      outputs over 4096 keys and ~91% over a 512-key window; over a few dozen keys rows are
-      peaky by themselves and most widen (tests/test_numerics_scales.py)."""
-    args = (page_table, kv_base, q_seq, q_pos, window, scale)
-    terms = _attention(q, k_cache, v_cache.abs(), *args, block=FLIP_ROWS).float()
+      (`_error_scale`, one pass over the scores for both): where one key dominates a row
+      (outlier channels in q make such rows), a score that rounds the other way moves its
+      weight by up to 2^-6 and the output by many ulps of sum_j P_j |v_j|. On Gaussian
+      inputs the first term is the larger for 98-99% of outputs over 4096 keys and ~91% over
+      a 512-key window; over a few dozen keys rows are peaky by themselves and most widen
+      (tests/test_numerics_scales.py)."""
     if q.shape[0] == 0:
-        return terms
-    flip = _attention(q, k_cache, v_cache, *args, flip=True, block=FLIP_ROWS)
-    return torch.maximum(terms, flip * FLIP_SCALE)
+        return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    return _attention(q, k_cache, v_cache, page_table, kv_base, q_seq, q_pos, window, scale,
+                      error_scale=True, block=FLIP_ROWS)
 
 
 NUMERICS = Numerics(
