@@ -134,6 +134,13 @@ REFUSED = [
      "reaches the module torch.utils"),
     ("import torch\nn = torch.get_num_threads()", "inspects the process (telling serving"),
     ("import torch\nn = torch.cuda.device_count()", "inspects the process (telling serving"),
+    # The global RNGs serving samples with, under any of their names.
+    ("import torch\ntorch.manual_seed(0)", "changes the RNG state serving samples with"),
+    ("import torch\ntorch.cuda.manual_seed_all(0)", "changes the RNG state serving samples"),
+    ("import torch\ntorch.seed()", "changes the RNG state serving samples with"),
+    ("import torch\ntorch.cuda.seed_all()", "changes the RNG state serving samples with"),
+    ("import torch\ng = torch.default_generator", "reads or changes the RNG state"),
+    ("from torch import manual_seed", "changes the RNG state serving samples with"),
     # Which GPU it runs on: a served TP rank is on GPU 1..7, the judge's worker on one GPU.
     ("import torch\ndef f(x):\n    return x.device.index", "accesses .device.index"),
     ("import torch\ndef f(x):\n    return x.get_device()", "accesses .get_device"),

@@ -123,6 +123,17 @@ DENIED_PATHS: tuple[tuple[str, str], ...] = (
     ("torch.get_rng_state", "reads the RNG state (telling runs apart)"),
     ("torch.initial_seed", "reads the RNG state (telling runs apart)"),
     ("torch.cuda.initial_seed", "reads the RNG state (telling runs apart)"),
+    # The global generators are the ones serving samples with: reseeding them from a kernel
+    # changes what a served request draws; reading them tells runs apart. A local
+    # torch.Generator stays allowed.
+    ("torch.manual_seed", "changes the RNG state serving samples with"),
+    ("torch.seed", "changes the RNG state serving samples with"),
+    ("torch.cuda.manual_seed", "changes the RNG state serving samples with"),
+    ("torch.cuda.seed", "changes the RNG state serving samples with"),
+    ("torch.cuda.manual_seed_all", "changes the RNG state serving samples with"),
+    ("torch.cuda.seed_all", "changes the RNG state serving samples with"),
+    ("torch.default_generator", "reads or changes the RNG state serving samples with"),
+    ("torch.cuda.default_generators", "reads or changes the RNG state serving samples with"),
     ("numpy.save", "file I/O (numpy)"), ("numpy.load", "file I/O (numpy)"),
     ("numpy.savetxt", "file I/O (numpy)"), ("numpy.savez", "file I/O (numpy)"),
     ("numpy.savez_compressed", "file I/O (numpy)"),

@@ -30,12 +30,18 @@ from .numerics import (
 )
 
 ALT_OFFSET = 7919  # seed offset of the data that replaces an input
-# The layouts a put hands an input over in (see `Judge.put`), half of them contiguous; the others
+# The layouts a put hands an input over in (see `Judge.put`), four in eleven contiguous; the others
 # rows a few elements apart, rows one or two row lengths apart (serving's column slices of one
-# projection), the first rows of a larger allocation (a CUDA graph's static buffers). Dealt from
-# a shuffled deck of these, so every run of as many puts holds each: drawn at random, a run could
-# miss one.
-LAYOUTS = ("contiguous",) * 4 + ("elements", "row", "rows", "tail")
+# projection), or the first rows of a larger allocation (a CUDA graph's static buffers, which is
+# how serving hands over nearly every decode input, so three in eleven). Dealt from a shuffled
+# deck of these, so every run of as many puts holds each: drawn at random, a run could miss one.
+LAYOUTS = ("contiguous",) * 4 + ("elements", "row", "rows") + ("tail",) * 3
+# How much larger than the input a "tail" layout's allocation is, dealt from a deck of its own:
+# a few rows more (an allocation rounded up), 1.1x to 4x the input, or 4x to 512x (a graph's
+# buffers sized for the largest batch, with a decode batch in their first rows: half the deck).
+# Any three deals hold the last class, so a run that deals three tails meets it.
+TAIL_SIZES = ("few", "several", "many", "many")
+TAIL_MAX_ELEMENTS = 1 << 24  # the "many" class's cap on the allocation's extra elements
 
 
 def arg_names(signature: str) -> list[str]:
@@ -159,7 +165,8 @@ class Judge:
         self.calls = 0
         self._ids = 0
         self._alt_case: Case | None = None  # the one case whose `alt` is kept
-        self._decks: dict[bool, list[str]] = {}  # LAYOUTS left to deal, by "two rows or more"
+        # LAYOUTS left to deal, by "two rows or more"; and TAIL_SIZES left, under "tail"
+        self._decks: dict[bool | str, list[str]] = {}
 
     # ---- cases --------------------------------------------------------------------------------
     def make_case(self, shape: dict, seed: int, edge: Any = None) -> Case | None:
@@ -231,10 +238,10 @@ class Judge:
     def put(self, args: tuple, judged: bool = True) -> int:
         """Hand `args` to the worker. Serving passes views whose rows are farther apart than
         their length (q, k and gate split from one projection, the two halves of a GEMM): with
-        an rng, half of the puts hand every tensor that starts with the token axis over as such
+        an rng, seven puts in eleven hand every tensor that starts with the token axis over as such
         a view (a few elements, or one or two row lengths apart), or as the first rows of a
         larger allocation (serving's CUDA graphs slice ids, positions, slots and page tables out
-        of buffers sized for the largest batch), so neither a contiguous layout nor a layout like
+        of buffers sized for the largest batch; `TAIL_SIZES`), so neither a contiguous layout nor a layout like
         serving's is a sign of being verified or not. The layouts are dealt (`LAYOUTS`), from
         one deck for puts of two rows or more and another for the rest, so every run judges
         each layout on inputs of several rows; `judged=False` (the burst's sets, of which only
@@ -249,7 +256,7 @@ class Judge:
             # are column slices of one projection, rows one or more row lengths apart. Or a
             # prefix: 7 to 511 rows more in the allocation, as a graph's static buffers have.
             pad = self.rng.choice((3, 64)) if layout == "elements" else layout
-            tail = self.rng.choice((7, 63, 511))
+            tail = self._tail_rows(t, args[0]) if pad == "tail" else 0
             for d, a in zip(descs, args, strict=True):
                 if pad == "tail":
                     if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == t > 0:
@@ -264,6 +271,22 @@ class Judge:
                         d["offset"] = row * self.rng.randint(0, 1 if pad == "row" else 2)
         self._checked(self.w.request({"cmd": "put", "handle": h, "args": descs}))
         return h
+
+    def _tail_rows(self, t: int, first: Any) -> int:
+        """Rows a "tail" layout's allocation holds beyond the input's `t` (`TAIL_SIZES`)."""
+        deck = self._decks.setdefault("tail", [])
+        if not deck:
+            deck += TAIL_SIZES
+            self.rng.shuffle(deck)
+        size = deck.pop()
+        if size == "few":
+            return self.rng.choice((1, 7, 63))
+        if size == "several":
+            return max(1, int(t * self.rng.uniform(0.1, 3.0)))
+        # "many": at least 3 t rows more, up to 511 t, unless the cap on elements binds
+        row = max(1, first[0].numel()) if isinstance(first, torch.Tensor) and t > 0 else 1
+        ratio = 2.0 ** self.rng.uniform(2.0, 9.0)  # the allocation is 4x to 512x the input
+        return max(1, min(int(t * ratio) - t, TAIL_MAX_ELEMENTS // row))
 
     def _deal(self, several_rows: bool) -> str:
         deck = self._decks.setdefault(several_rows, [])
