@@ -241,11 +241,12 @@ class Judge:
         an rng, seven puts in eleven hand every tensor that starts with the token axis over as such
         a view (a few elements, or one or two row lengths apart), or as the first rows of a
         larger allocation (serving's CUDA graphs slice ids, positions, slots and page tables out
-        of buffers sized for the largest batch; `TAIL_SIZES`), so neither a contiguous layout nor a layout like
-        serving's is a sign of being verified or not. The layouts are dealt (`LAYOUTS`), from
-        one deck for puts of two rows or more and another for the rest, so every run judges
-        each layout on inputs of several rows; `judged=False` (the burst's sets, of which only
-        a sample is judged) draws one at random and leaves the deal to calls that are judged."""
+        of buffers sized for the largest batch; `TAIL_SIZES`), so neither a contiguous layout
+        nor a layout like serving's is a sign of being verified or not. The layouts are dealt
+        (`LAYOUTS`), from one deck for puts of two rows or more and another for the rest, so
+        every run judges each layout on inputs of several rows; `judged=False` (the burst's
+        sets, of which only a sample is judged) draws one at random and leaves the deal to
+        calls that are judged."""
         h = self._next()
         descs = self.w.pack(args)
         t = args[0].shape[self.c.token_dim] if isinstance(args[0], torch.Tensor) else -1
