@@ -343,6 +343,47 @@ def test_gpu_shapes_come_from_the_target(op):
             assert all(lo <= s[d] <= hi for d, (lo, hi) in c.tests.free_dims.items())
 
 
+def test_attention_is_judged_at_contexts_drawn_past_every_targets_longest():
+    # The buckets' contexts are 4096 keys on a GPU and ~100 on the CPU: a kernel that drops
+    # keys past some count (a cheat keeping the last 1000 passed before) must meet such a
+    # count, and not at a value it could expect.
+    from autoopt.targets import list_targets, load_target
+    from model.ops import attention
+
+    longest = max(c for n in list_targets() for c in load_target(n).contexts)
+    assert attention.LONG_CONTEXT["gpu"][1] > longest
+    c = contract("attention")
+    for device, targets in (("cpu", default_targets("cpu")),
+                            ("cuda", [load_target("h200-tp8-decode")])):
+        kind = "cpu" if device == "cpu" else "gpu"
+        lo, hi = attention.LONG_CONTEXT[kind]
+        drawn = {"long_context": set(), "longest_context": set(), "long_context_chunks": set()}
+        for n in range(12):
+            plan = plan_shapes(c, device, targets, None, Budget(), Secret(bytes([n]) * 16))
+            edges = {e.name: e.shape for e in plan.edges}
+            for name in drawn:
+                s = edges[name]
+                assert s["W"] == 0 and s["seqs"] == (2 if "chunks" in name else 0), s
+                assert s["T"] >= 2 and attention.sequences(s) == (2 if "chunks" in name
+                                                                   else s["T"])
+                assert lo <= s["S"] <= hi and s["S"] > max(b["S"] for b in plan.buckets)
+                drawn[name].add(s["S"])
+            assert edges["longest_context"]["S"] >= hi * 4 // 5
+            again = plan_shapes(c, device, targets, None, Budget(), Secret(bytes([n]) * 16))
+            assert [e.shape for e in again.edges] == [e.shape for e in plan.edges]
+        assert all(len(v) >= 10 for v in drawn.values()), drawn  # drawn, not fixed
+
+
+def test_a_drawn_edge_value_is_checked_and_defaults_to_its_low_end():
+    from model.ops._contract import _edge_value
+
+    assert _edge_value(7, "cpu", None) == 7
+    assert _edge_value((3, 9), "gpu", None) == 3
+    assert _edge_value({"cpu": (3, 9), "gpu": (10, 20)}, "gpu", lambda lo, hi: hi) == 20
+    with pytest.raises(ValueError, match="lo <= hi"):
+        _edge_value((9, 3), "cpu", lambda lo, hi: lo)
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_every_op_declares_cpu_shapes_and_edge_cases(op):
     tests = contract(op).tests

@@ -171,5 +171,5 @@ def plan_shapes(contract: Any, device: str, targets: list[Any], shapes: list[dic
             plan.long += [s for cfg, shard in layouts for s in tests.at(cfg, shard, t, kind)]
     base = [s for s in plan.buckets if s.get("T", 0) >= 2] or plan.buckets
     small = min(base, key=lambda s: s.get("T", 0))
-    plan.edges = tests.edge_cases(small)
+    plan.edges = tests.edge_cases(small, kind, secret.tokens)
     return plan

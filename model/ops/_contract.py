@@ -29,7 +29,11 @@ Test shapes (what the verifier runs; see `TestShapes`). An op module declares:
                   with these keys set (or added) that `make_inputs` reads: every value of a
                   small scalar domain (norm_residual_norm's depth index 2..105), or a layout the
                   served model uses but plain draws never make (moe_experts under expert
-                  parallelism: ids of experts held by other ranks and a nonzero offset).
+                  parallelism: ids of experts held by other ranks and a nonzero offset). A value
+                  may also be a range drawn per run, log-uniformly, by the run's secret:
+                  `(lo, hi)`, or `{"cpu": (lo, hi), "gpu": (lo, hi)}` by kind (attention's
+                  context up to past the longest a target serves: a kernel that drops or
+                  mishandles keys past some count shows, whatever the count).
     test_shapes   optional: test_shapes(cfg, shard, tokens, kind) -> [shape, ...] overriding the
                   default (`default_test_shapes`): one shape from CPU_DIMS on "cpu", the op's
                   `shapes_for` at the target's config and shard on "gpu".
@@ -162,13 +166,29 @@ class TestShapes:
                 out[dim] = draw(lo, hi)
         return out
 
-    def edge_cases(self, shape: Shape) -> list[EdgeCase]:
+    def edge_cases(self, shape: Shape, kind: str = "cpu",
+                   draw: Callable[[int, int], int] | None = None) -> list[EdgeCase]:
         """Zero rows at `shape`, every declared magnitude case at `shape`, and every declared
-        shape case (`shape` with its keys overridden)."""
+        shape case (`shape` with its keys overridden; a range value drawn by `draw(lo, hi)`,
+        its low end without one)."""
         cases = [EdgeCase("zero_rows", {**shape, "T": 0})]
         cases += [EdgeCase(name, dict(shape), dict(sc)) for name, sc in self.edge_scales.items()]
-        cases += [EdgeCase(name, {**shape, **over}) for name, over in self.edge_shapes.items()]
+        for name, over in self.edge_shapes.items():
+            values = {k: _edge_value(v, kind, draw) for k, v in over.items()}
+            cases.append(EdgeCase(name, {**shape, **values}))
         return cases
+
+
+def _edge_value(v: Any, kind: str, draw: Callable[[int, int], int] | None) -> int:
+    """An EDGE_SHAPES value: an int as given; a range (by kind, if a dict) drawn."""
+    if isinstance(v, Mapping):
+        v = v[kind]
+    if isinstance(v, tuple):
+        lo, hi = v
+        if not 1 <= lo <= hi:
+            raise ValueError(f"an EDGE_SHAPES range must be 1 <= lo <= hi, got {v}")
+        return draw(lo, hi) if draw else lo
+    return int(v)
 
 
 def default_test_shapes(module: ModuleType) -> Callable[..., list[dict[str, int]]]:

@@ -54,6 +54,19 @@ FREE_DIMS = {"Hq": (1, 12)}
 TOKEN_RANGE = {"cpu": (1, 64)}
 EDGE_SCALES = {"tiny": {0: 2.0**-40}, "huge": {0: 2.0**4}}
 GPU_MIN_CONTEXT = 4096
+# A full (NoPE) layer at long contexts, drawn per run: decode rows anywhere from the buckets'
+# context (GPU_MIN_CONTEXT) up and near the top, which on a GPU is past every target's longest
+# (above 100k) and on the CPU as far as the interpreter affords (past 16k keys, where a split-KV
+# kernel's splits stop multiplying and its chunks grow); and prefill chunks of two sequences
+# deep in a long context (chunked prefill). Without them, a kernel that drops, truncates or
+# mis-splits keys past some count would never meet such a count.
+LONG_CONTEXT = {"cpu": (1024, 20000), "gpu": (GPU_MIN_CONTEXT + 1, 131072)}
+EDGE_SHAPES = {
+    "long_context": {"S": LONG_CONTEXT, "W": 0, "seqs": 0},
+    "longest_context": {"S": {k: (hi * 4 // 5, hi) for k, (_, hi) in LONG_CONTEXT.items()},
+                        "W": 0, "seqs": 0},
+    "long_context_chunks": {"S": LONG_CONTEXT, "W": 0, "seqs": 2},
+}
 
 
 def check(q, k_cache, v_cache, page_table, kv_base, q_seq, q_pos) -> None:
