@@ -22,7 +22,7 @@ from autoopt.eval.trials import Judge, arg_names, near_misses_for, pair_keys
 from model.ops import CONTRACTS, contract
 
 OPS = sorted(CONTRACTS)
-SMALL = Budget(seeds=2, max_tokens=40)
+SMALL = Budget(seeds=2, max_tokens=40, marathon_s=(0.2, 0.5))
 
 
 class InProcessWorker:
@@ -638,3 +638,56 @@ def test_inputs_of_cases_followed_only_by_rechecks_are_freed_after_their_first_c
         dropped_at = next(n for n, e in enumerate(log) if e[0] == "drop" and h in e[1])
         assert not any(e[3] == h for e in log[dropped_at + 1:])
     assert not w.state.held and not w.state.outs  # everything freed at the end
+
+
+def test_a_marathon_early_in_the_run_shows_what_a_candidate_does_after_many_calls():
+    # A list's length or a counter kept on the device: exact for the first N calls, N above
+    # what a verification made (~50 on the CPU), passed before the marathon.
+    calls = [0]
+
+    def after_n(n):
+        def run(gate, up):
+            calls[0] += 1
+            out = _swiglu(gate, up)
+            return out if calls[0] <= n else torch.nn.functional.silu(gate) * up
+        return run
+
+    budget = Budget(seeds=2, max_tokens=40, marathon_s=(1.0, 1.0))
+    for n in (100, 150):
+        calls[0] = 0
+        reasons, _, j = session("swiglu", after_n(n), budget=budget)
+        assert reasons and j.marathon["calls"] > n, (n, j.marathon)
+    calls[0] = 0
+    reasons, _, j = session("swiglu", after_n(10 ** 9), budget=budget)
+    assert reasons == [] and j.marathon["calls"] >= 1 and j.marathon["shape"].startswith("T=")
+
+
+def test_the_marathon_comes_early_and_can_be_switched_off():
+    c = contract("swiglu")
+    targets = default_targets("cpu")
+    for n in range(20):
+        secret = Secret(bytes([n]) * 16)
+        plan = plan_shapes(c, "cpu", targets, None, SMALL, secret)
+        steps = build_steps(plan, SMALL, secret)[1]
+        at = [k for k, (kind, _) in enumerate(steps) if kind == "marathon"]
+        judged = sum(kind == "first" for kind, _ in steps)
+        assert len(at) == 1 and sum(kind == "first" for kind, _ in steps[at[0]:]) >= judged // 2
+    off = Budget(marathon_s=(0.0, 0.0))
+    plan = plan_shapes(c, "cpu", targets, None, off, Secret())
+    assert all(kind != "marathon" for kind, _ in build_steps(plan, off, Secret())[1])
+    with pytest.raises(ValueError, match="marathon"):
+        Budget(marathon_s=(2.0, 1.0))
+
+
+def test_a_candidate_that_raises_in_the_marathon_is_rejected_for_it():
+    calls = [0]
+
+    def breaks_later(gate, up):
+        calls[0] += 1
+        if calls[0] > 60:
+            raise RuntimeError("worn out")
+        return _swiglu(gate, up)
+
+    reasons = session("swiglu", breaks_later, budget=Budget(seeds=2, max_tokens=40,
+                                                             marathon_s=(1.0, 1.0)))[0]
+    assert any("worn out" in r for r in reasons), reasons

@@ -17,6 +17,7 @@ a GPU), writes new content into every set, poisons the burst's outputs and check
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -158,6 +159,36 @@ def recheck(j: Judge, case: Case) -> None:
                                        f"call {where} was overwritten (a buffer the op reuses)")
             break
     j.drop([], [case.out_id])
+
+
+def marathon(j: Judge, shape: dict, seeds: list[int], calls: int, time_s: float,
+             max_bytes: int | None = None) -> dict:
+    """The candidate called on a few input sets in turn, `calls` times or for `time_s` seconds,
+    whichever ends first, its outputs dropped: what it does after that many calls is what the
+    judged calls after the marathon see (a candidate exact for its first N calls, the number a
+    verifier was expected to make, is past N by then). The inputs are the op's own draws; the
+    count comes back from the worker, and the judge's own clock bounds the request. With
+    `max_bytes`, as many sets as fit in it (at least one: a MoE rank's set is ~9 GiB)."""
+    handles = []
+    for k, seed in enumerate(seeds):
+        args = j.c.make_inputs(dict(shape), seed, j.device)
+        handles.append(j.put(args, judged=False))
+        size = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+        del args
+        if max_bytes is not None and size * (k + 2) > max_bytes:
+            break
+    t0 = time.perf_counter()
+    reply = j._checked(j.w.request({"cmd": "marathon", "handles": handles, "calls": int(calls),
+                                    "time_s": float(time_s)}, timeout=4 * time_s + 60))
+    info = {"shape": shape_key(shape), "sets": len(handles), "asked_calls": int(calls),
+            "asked_s": round(time_s, 2),
+            "calls": int(reply.get("calls", 0)), "wall_s": round(time.perf_counter() - t0, 2)}
+    if "raised" in reply:
+        j.findings.add("raised", f"candidate raised {reply['raised']} in a marathon of calls at "
+                                 f"{shape_key(shape)} (call {reply.get('calls', 0) + 1})")
+    j.calls += info["calls"]
+    j.drop(handles)
+    return info
 
 
 def burst(j: Judge, shape: dict, seeds: list[int], reps: int, samples: list[int],

@@ -53,11 +53,20 @@ class Budget:
     # inputs are ~9 GiB a set, and the judge holds each set twice (old and refilled data).
     burst_bytes: int = 8 << 30
     filler: tuple[int, int] = (0, 2)  # extra calls at drawn token counts
+    # Calls in a row at a small shape, early in the run (`followups.marathon`): for a time drawn
+    # in this range (seconds; (0, 0): none), at most `marathon_calls`. A candidate exact for as
+    # many calls as a verifier used to make has counted past them before the judged calls after.
+    marathon_s: tuple[float, float] = (1.0, 3.0)
+    marathon_calls: int = 200_000
     max_tokens: int | None = None  # cap on drawn and long token counts
 
     def __post_init__(self) -> None:
         if self.seeds < 1 or self.burst_sets < 2 or self.burst_samples < 1:
             raise ValueError("Budget needs seeds >= 1, burst_sets >= 2 and burst_samples >= 1")
+        if not 0 <= self.marathon_s[0] <= self.marathon_s[1] or self.marathon_calls < 1:
+            raise ValueError(f"Budget.marathon_s must be (lo, hi) with 0 <= lo <= hi and "
+                             f"marathon_calls >= 1, not {self.marathon_s}, "
+                             f"{self.marathon_calls}")
         if not 0 <= self.filler[0] <= self.filler[1]:
             raise ValueError(f"Budget.filler must be (lo, hi) with 0 <= lo <= hi, not "
                              f"{self.filler}")

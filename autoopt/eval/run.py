@@ -143,7 +143,7 @@ def _session(report: Any, c: Any, w: Worker, text: bytes, plan: ShapePlan, budge
     reasons += more
     report.per_shape = j.per_shape
     report.checks["behaviour"] = {"calls": j.calls, "failed": dict(j.findings.count),
-                                  "steps": len(steps), "burst": burst,
+                                  "steps": len(steps), "burst": burst, "marathon": j.marathon,
                                   "skipped_edge_cases": j.skipped}
     if c.name == "router":
         report.checks["router_ties"] = {"rows": j.router_ties[:50],

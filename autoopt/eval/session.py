@@ -3,7 +3,9 @@
 The session makes one `Case` per (shape, seed) of the plan (buckets with several seeds, drawn and
 long token counts, edge cases, and a random number of filler calls), shuffles them, and inserts
 follow-ups at random later points: repeats, same-buffer and one-element changes, input
-replacement, shuffled program order (CPU), rechecks of earlier outputs, and one burst. How many
+replacement, shuffled program order (CPU), rechecks of earlier outputs, one burst, and early on
+a marathon (thousands of calls in a row, so that state counting calls is past any count a
+candidate could expect a verifier to stop at before the judged calls after it). How many
 calls a run makes, in which order and at which token counts differ from run to run, so a
 candidate cannot count its way to the calls that are judged.
 """
@@ -66,6 +68,11 @@ def build_steps(plan: ShapePlan, budget: Budget, secret: Secret) -> tuple[list, 
     burst_shapes = [s for s in plan.buckets if 1 <= s.get("T", 0) <= limit] or plan.buckets[:1]
     if burst_shapes:
         steps.insert(rng.randint(0, len(steps)), ("burst", rng.choice(burst_shapes)))
+    if budget.marathon_s[1] > 0 and burst_shapes:
+        # Before one of the first third of the cases' first calls: two thirds come after it.
+        firsts = [k for k, (kind, _) in enumerate(steps) if kind == "first"]
+        at = firsts[rng.randint(0, len(firsts) // 3)] if firsts else 0
+        steps.insert(at, ("marathon", rng.choice(burst_shapes)))
     return specs, steps
 
 
@@ -93,6 +100,14 @@ def run_steps(j: Judge, specs: list, steps: list[tuple], budget: Budget,
             samples = secret.rng.sample(range(len(seeds)), min(budget.burst_samples, len(seeds)))
             burst_info = fu.burst(j, arg, seeds, budget.burst_reps, samples,
                                   budget.burst_bytes)
+            continue
+        if kind == "marathon":
+            lo, hi = budget.marathon_s
+            j.marathon = fu.marathon(j, arg, [secret.seed() for _ in range(3)],
+                                     calls=secret.tokens(max(1, budget.marathon_calls // 10),
+                                                         budget.marathon_calls),
+                                     time_s=secret.rng.uniform(lo, hi),
+                                     max_bytes=budget.burst_bytes)
             continue
         if kind == "first":
             shape, seed, edge = specs[arg]

@@ -163,6 +163,7 @@ class Judge:
         self.skipped: list[str] = []
         self.palette_set = palette_set  # dtype -> set of poison bit patterns
         self.calls = 0
+        self.marathon: dict[str, Any] = {}  # what the run's marathon did (followups.marathon)
         self._ids = 0
         self._alt_case: Case | None = None  # the one case whose `alt` is kept
         # LAYOUTS left to deal, by "two rows or more"; and TAIL_SIZES left, under "tail"

@@ -111,6 +111,7 @@ def _handlers() -> dict[str, Any]:
             "put": _put, "write": _write, "call": _call, "export": _export,
             "readback": _readback, "drop": _drop, "burst_setup": wb.setup,
             "burst_poison": wb.poison, "burst_run": wb.run, "burst_export": wb.export,
+            "marathon": wb.marathon,
             "ping": lambda s, m, f: {}, "exit": lambda s, m, f: {}}
 
 

@@ -160,3 +160,27 @@ def export(state: _State, msg: dict, fds: list) -> dict:
         descs, off = _write_outputs(state, b["outs"][int(k)] or (), expect, off, end)
         data.append(descs)
     return {"data": data}
+
+
+def marathon(state: _State, msg: dict, fds: list) -> dict:
+    """Eager calls on the held sets in turn, `calls` of them or until `time_s` has passed, the
+    outputs dropped: state that counts calls is past any count the judge's earlier calls
+    reached before the calls judged after this. Reports how many were made."""
+    sets = [state.held[int(h)] for h in msg["handles"]]
+    n, limit = max(1, int(msg["calls"])), float(msg["time_s"])
+    cuda = state.device.startswith("cuda")
+    done, t0 = 0, _perf()
+    try:
+        with torch.no_grad():
+            while done < n:
+                _as_tuple(state.run(*sets[done % len(sets)], config=state.config))
+                done += 1
+                if cuda and done % 64 == 0:
+                    _synchronize()  # the clock then counts finished calls, not queued ones
+                if _perf() - t0 > limit:
+                    break
+            if cuda:
+                _synchronize()
+    except Exception as e:  # noqa: BLE001 - the candidate's exception is a verdict
+        return {"raised": _text(f"{_type(e).__name__}: {e}"), "calls": done}
+    return {"calls": done, "elapsed_s": _perf() - t0}

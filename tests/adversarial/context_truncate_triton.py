@@ -12,11 +12,19 @@ KEEP = 2000  # keys kept per query
 
 
 @triton.jit
+def _f32_to_bf16(x):  # round to nearest even, explicitly (the interpreter's cast truncates)
+    bits = x.to(tl.uint32, bitcast=True)
+    hi = bits >> 16
+    carry = ((bits & 0xFFFF) + 0x7FFF + (hi & 1)) >> 16
+    return (hi + carry).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def _scaled(s_ptr, out_ptr, n, scale, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     s = tl.load(s_ptr + offs, mask=m).to(tl.float32)
-    tl.store(out_ptr + offs, (s * scale).to(tl.bfloat16), mask=m)
+    tl.store(out_ptr + offs, _f32_to_bf16(s * scale), mask=m)
 
 
 def run(q, k_cache, v_cache, page_table, kv_base, q_seq, q_pos, window, scale, config=None):
