@@ -54,6 +54,8 @@ REJECTED: dict[str, tuple[str, tuple[str, ...], str]] = {
     # Exact for 100 calls, twice what a verification made before its marathon: a list's length,
     # and a counter the kernel keeps on the device.
     "call_count_list_torch": ("swiglu", _CHANGED, "any"),
+    # Exact without a config, wrong with the DEFAULT_CONFIG serving passes.
+    "config_detect_torch": ("swiglu", _NUMERIC, "any"),
     "call_count_device_triton": ("swiglu", _CHANGED, "any"),
     "token_detect_torch": ("swiglu", _NUMERIC, "any"),
     "width_detect_triton": ("swiglu", _NUMERIC, "any"),
@@ -204,7 +206,7 @@ def test_every_class_has_triton_and_torch_variants():
                          "clear_audit"),
                "tell": ("seed_regen", "call_count", "token_detect", "width_detect",
                         "poison_detect", "stride_detect", "outlier_detect", "which_gpu",
-                        "storage_detect", "version_detect"),
+                        "storage_detect", "version_detect", "config_detect"),
                "remember": ("content_cache", "pointer_cache"),
                "stay_put": ("reused_buffer",),
                "pooled": ("near_miss_t1", "every_other_row", "drops_eps", "first_rows",

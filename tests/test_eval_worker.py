@@ -372,3 +372,40 @@ def test_the_gaps_between_a_padded_views_rows_hold_data(monkeypatch, pad, offset
     assert torch.isfinite(base.float()).all()
     w = torch.randn(7, 320, dtype=torch.bfloat16)
     assert torch.equal(torch.nn.functional.linear(out, w), torch.nn.functional.linear(t, w))
+
+
+def test_the_worker_passes_default_config_as_serving_does_a_fresh_copy_each_call():
+    # The registry calls a variant without a tuned config for the call with its DEFAULT_CONFIG,
+    # a fresh copy each time: a verifier that passed None could be told apart by it, and one
+    # dict shared by every call could count them.
+    source = b"""
+DEFAULT_CONFIG = {"SCALE": 3}
+
+
+def run(x, config=None):
+    if config is None:
+        return x * 0
+    config["calls"] = config.get("calls", 0) + 1
+    return x * config["SCALE"] + config["calls"]
+"""
+    s = Secret()
+    expect = [{"dtype": "float32", "shape": [2, 3]}]
+    with Worker("cpu", budget_s=90) as w:
+        palettes = {dt: s.palette(dt) for dt in POISON_DTYPES}
+        assert start_candidate(w, source, "cpu", None, palettes, 1) is None
+        w.request({"cmd": "put", "handle": 1, "args": w.pack([torch.ones(2, 3)])})
+        for out in (1, 2):
+            reply = w.request({"cmd": "call", "handle": 1, "out": out, "expect": expect,
+                               "region": {"off": 0, "cap": w.arena.size}})
+            (got,) = w.unpack(reply["data"], expect)
+            assert torch.equal(got, torch.full((2, 3), 4.0)), (out, got)  # 1 * 3 + 1 each call
+    with Worker("cpu", budget_s=90) as w:  # a config the judge names is the one passed
+        assert start_candidate(w, source, "cpu", {"SCALE": 5}, palettes, 1) is None
+        w.request({"cmd": "put", "handle": 1, "args": w.pack([torch.ones(2, 3)])})
+        reply = w.request({"cmd": "call", "handle": 1, "out": 1, "expect": expect,
+                           "region": {"off": 0, "cap": w.arena.size}})
+        assert torch.equal(w.unpack(reply["data"], expect)[0], torch.full((2, 3), 6.0))
+    with Worker("cpu", budget_s=90) as w:
+        err = start_candidate(w, b"DEFAULT_CONFIG = 7\n\ndef run(x, config=None):\n    return x\n",
+                              "cpu", None, palettes, 1)
+        assert err and "DEFAULT_CONFIG is not a mapping" in err

@@ -169,7 +169,22 @@ def _load(state: _State, msg: dict, fds: list) -> dict:
     if not callable(run):
         return {"import_error": "defines no callable `run`"}
     state.run = run
-    return {}
+    if state.config is None and module.__dict__.get("DEFAULT_CONFIG") is not None:
+        # Serving calls a variant without a tuned config for the call with its DEFAULT_CONFIG
+        # (the registry's KernelCall): so does the judge, or `config is None` would tell the
+        # two apart.
+        try:
+            state.config = dict(module.__dict__["DEFAULT_CONFIG"])
+        except Exception as e:  # noqa: BLE001 - a malformed default is a verdict
+            return {"import_error": _text(f"DEFAULT_CONFIG is not a mapping "
+                                          f"({_type(e).__name__}: {e})")}
+    return {"config": _text(repr(state.config))}
+
+
+def call_config(state: _State) -> dict | None:
+    """The config for one call: a fresh copy each time, as serving passes (a variant that
+    edits its config cannot carry state to the next call through it)."""
+    return dict(state.config) if state.config is not None else None
 
 
 def _permutable_grid(order: dict) -> None:
@@ -355,7 +370,7 @@ def _call(state: _State, msg: dict, fds: list) -> dict:
     t0 = _perf()
     try:
         with torch.no_grad():
-            outs = _as_tuple(state.run(*args, config=state.config))
+            outs = _as_tuple(state.run(*args, config=call_config(state)))
     except Exception as e:  # noqa: BLE001 - the candidate's exception is a verdict
         return {"raised": _text(f"{_type(e).__name__}: {e}")}
     finally:
