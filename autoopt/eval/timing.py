@@ -427,11 +427,23 @@ def _timed_outputs_wrong(j: Any, shape: dict, handles: list, new: list, secret: 
     return ""
 
 
+def timed_shape(j: Any, plan: Any) -> dict:
+    """The plan's largest bucket (by bytes) that the trials judged. A bucket whose reference
+    could not run here (attention's one-row-per-query form at T = 16384 gathers 256 GiB of
+    keys: the judge's own out-of-memory, not the candidate's) was skipped by the trials, and its
+    timed outputs could not be checked either."""
+    from .trials import shape_key
+
+    judged = {key for key, _ in j.stats}
+    ranked = sorted(plan.buckets, key=lambda s: j.c.cost(s).bytes, reverse=True)
+    return next((s for s in ranked if shape_key(s) in judged), ranked[-1])
+
+
 def floor_check(j: Any, plan: Any, secret: Any, checks: dict) -> list[str]:
-    """Time the candidate at the plan's largest bucket; impossible speed or void timing fail."""
+    """Time the candidate at the largest judged bucket; impossible speed or void timing fail."""
     from .guards import floor_violation
 
-    shape = max(plan.buckets, key=lambda s: j.c.cost(s).bytes)
+    shape = timed_shape(j, plan)
     try:
         timing = time_in_worker(j, shape, secret, warmup=3, iters=20)
     except RuntimeError as e:
