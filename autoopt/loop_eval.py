@@ -133,7 +133,10 @@ class HarnessEvaluator:
             reasons, reports = list(res["reasons"]), res["reports"]
             (cand_dir / f"{stem}.verify.json").write_text(json.dumps(reports, default=str))
             verdict = "reject" if reasons else "pass"
-            if verdict == "pass" and self.ctx.meaningful:
+            if verdict == "pass" and self.ctx.meaningful and res.get("untimed"):
+                # Verified, but the op's deadline came before its timing: no speed, no decision.
+                outcome = f"verified, not registered: {res['untimed']}"
+            elif verdict == "pass" and self.ctx.meaningful:
                 timings, speedup = self._timings(res["rows"], res["baseline_rows"])
                 outcome = self._decide(path, proposal, sha, reports, res["rows"], timings,
                                        speedup)

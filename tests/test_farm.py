@@ -189,3 +189,42 @@ def test_profile_candidate_on_a_gpu_reads_ncu_metrics():
         assert k["dram_bytes"] and k["dram_bytes"] > 0 and k["occupancy_pct"] is not None
     assert res["ceiling_gb_s"] > 1000  # an H200 copies at a few TB/s
     assert "of the measured ceiling" in format_profile(res)
+
+
+def test_an_eval_job_keeps_its_timing_inside_its_time_limit(monkeypatch):
+    # The job's limit is the op's deadline: on an H200 a template candidate verified near it was
+    # then timed (candidate and baseline, eight buckets) for 72 s more. Now timing gets only what
+    # verification left; a verified candidate without time for it comes back untimed.
+    import time
+
+    import autoopt.eval.bench as bench
+    from autoopt.farm import jobs
+
+    monkeypatch.setattr(jobs.EvalJob, "_verify", lambda self, path, device, end: ([], [{}]))
+    timed = []
+
+    def fake_bench(op, path, shapes, device, *, timeout_s, **kw):
+        timed.append(timeout_s)
+        return []
+
+    monkeypatch.setattr(bench, "bench_op", fake_bench)
+    shapes = ({"T": 1, "H": 64},)
+    job = EvalJob(op="swiglu", name="a01_x", source="", timed=True, bench_shapes=shapes,
+                  timeout_s=jobs.MIN_STAGE_S - 1)
+    res = job.run("cpu")
+    assert res["stage"] == "verify" and res["rows"] == [] and "not timed" in res["untimed"]
+    assert timed == []
+    res = EvalJob(op="swiglu", name="a01_x", source="", timed=True, bench_shapes=shapes,
+                  timeout_s=60).run("cpu")
+    assert res["stage"] == "bench" and "untimed" not in res
+    assert len(timed) == 1 and 0 < timed[0] <= 60  # what was left of the job, not 60 again
+
+    def slow_bench(op, path, shapes, device, *, timeout_s, **kw):
+        time.sleep(timeout_s + 0.05)  # the worker's budget ends the timing
+        raise RuntimeError("benchmark of swiglu failed in its worker: budget spent")
+
+    monkeypatch.setattr(bench, "bench_op", slow_bench)
+    monkeypatch.setattr(jobs, "MIN_STAGE_S", 0.2)
+    res = EvalJob(op="swiglu", name="a01_x", source="", timed=True, bench_shapes=shapes,
+                  timeout_s=0.5).run("cpu")
+    assert "ran past the job's" in res["untimed"] and res["rows"] == []

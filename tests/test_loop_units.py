@@ -38,6 +38,7 @@ class ScriptedFarm:
         self.cand_us, self.base_iqr, self.floor_ok = cand_us, base_iqr, floor_ok
         self.jobs: list = []
         self.fail: Exception | None = None
+        self.untimed: str | None = None
 
     def submit(self, job):
         from concurrent.futures import Future
@@ -53,8 +54,9 @@ class ScriptedFarm:
                  "floor_ok": self.floor_ok, "meaningful": True,
                  "config": job.per_bucket.get(f"T={t}")} for t in (1, 8)]
         fut.set_result({"reasons": [], "reports": [{"verdict": "pass", "device": "cuda:0"}],
-                        "rows": rows, "baseline_rows": [], "device_s": 1.5, "kind": job.kind,
-                        "worker": "host/cuda:0"})
+                        "rows": [] if self.untimed else rows, "baseline_rows": [],
+                        "device_s": 1.5, "kind": job.kind, "worker": "host/cuda:0",
+                        **({"untimed": self.untimed} if self.untimed else {})})
         return fut
 
 
@@ -107,6 +109,14 @@ def test_gpu_win_within_noise_is_not_registered(tmp_path, monkeypatch):
     a = ev.evaluate(_proposal()).attempt
     assert a.verdict == "pass" and "does not beat the noise threshold" in a.outcome
     assert ctx.registry.variants("swiglu") == []
+
+
+def test_a_candidate_the_deadline_left_untimed_is_not_registered(tmp_path, monkeypatch):
+    ctx, ev = _gpu_evaluator(tmp_path, monkeypatch, cand_us=5.0)
+    ev.farm.untimed = "not timed: 3 s of the job's 40 s were left for a01_tiles's timing"
+    a = ev.evaluate(_proposal()).attempt
+    assert a.verdict == "pass" and a.outcome.startswith("verified, not registered: not timed")
+    assert a.speedup is None and ctx.registry.variants("swiglu") == []
 
 
 def test_faster_than_the_floor_is_void(tmp_path, monkeypatch):

@@ -73,6 +73,7 @@ def distinct(configs: Sequence[Mapping | None]) -> list[dict | None]:
 
 # ---- verify and time ----------------------------------------------------------------------
 _BASELINES: dict[str, list[dict]] = {}  # per worker process: baseline timings already taken
+MIN_STAGE_S = 5.0  # a verification or timing given less than this is not started
 
 
 @dataclass(frozen=True)
@@ -97,24 +98,31 @@ class EvalJob:
     compile: bool = False
     warmup: int = 10
     iters: int = 50
-    timeout_s: float = 300.0
+    timeout_s: float = 300.0  # the whole job: verification, then both timings
 
     def run(self, device: str) -> dict:
+        end = time.monotonic() + self.timeout_s
         with tempfile.TemporaryDirectory(prefix="autoopt-job-") as tmp:
             path = _write(Path(tmp), self.name, self.source)
             compile_errors = precheck(self.language, path, device)
             if compile_errors:
                 return {"reasons": compile_errors, "reports": [], "rows": [],
                         "baseline_rows": [], "stage": "compile"}
-            reasons, reports = self._verify(path, device)
+            reasons, reports = self._verify(path, device, end)
             out: dict[str, Any] = {"reasons": reasons, "reports": reports, "rows": [],
                                    "baseline_rows": [], "stage": "verify"}
             if reasons or not self.timed:
                 return out
-            out["rows"] = _bench(self.op, path, self.bench_shapes, self.per_bucket, device,
-                                 self)
-            out["baseline_rows"] = self._baseline(Path(tmp), device)
-            out["stage"] = "bench"
+            # Timing shares the job's limit (an op's deadline): a candidate verified just in
+            # time is left untimed, and so undecided, rather than overrunning the deadline.
+            try:
+                rows = _bench(self.op, path, self.bench_shapes, self.per_bucket, device, self,
+                              end)
+                base = self._baseline(Path(tmp), device, end)
+            except TimeoutError as e:
+                out["untimed"] = str(e)
+                return out
+            out["rows"], out["baseline_rows"], out["stage"] = rows, base, "bench"
             return out
 
     def shapes(self, device: str) -> list[dict]:
@@ -129,7 +137,7 @@ class EvalJob:
                 out.append(dict(s))
         return out
 
-    def _verify(self, path: Path, device: str) -> tuple[list[str], list[dict]]:
+    def _verify(self, path: Path, device: str, end: float) -> tuple[list[str], list[dict]]:
         from autoopt.eval.verify import verify_variant
 
         shapes = self.shapes(device)
@@ -138,7 +146,8 @@ class EvalJob:
         configs = distinct(self.configs)
         for cfg in configs:
             rep = verify_variant(self.op, path, device=device, seeds=self.verify_seeds,
-                                 shapes=shapes, config=cfg, timeout_s=self.timeout_s)
+                                 shapes=shapes, config=cfg,
+                                 timeout_s=max(MIN_STAGE_S, end - time.monotonic()))
             reports.append(rep.to_dict())
             if not rep.passed:
                 where = f"with config {cfg}: " if len(configs) > 1 else ""
@@ -146,7 +155,7 @@ class EvalJob:
                 break  # the first failing config is enough evidence
         return reasons, reports
 
-    def _baseline(self, tmp: Path, device: str) -> list[dict]:
+    def _baseline(self, tmp: Path, device: str, end: float) -> list[dict]:
         if self.baseline_source is None:
             return []
         key = json.dumps([device, self.op, self.baseline_source, dict(self.baseline_per_bucket),
@@ -154,7 +163,7 @@ class EvalJob:
         if key not in _BASELINES:
             path = _write(tmp, f"baseline_{self.baseline_name}", self.baseline_source)
             _BASELINES[key] = _bench(self.op, path, self.bench_shapes, self.baseline_per_bucket,
-                                     device, self)
+                                     device, self, end)
         return _BASELINES[key]
 
 
@@ -163,8 +172,9 @@ def bucket(shape: Mapping[str, int]) -> str:
 
 
 def _bench(op: str, path: Path, shapes: Sequence[dict], per_bucket: Mapping[str, Any],
-           device: str, job: EvalJob) -> list[dict]:
-    """Bench rows at `shapes` in their order, each shape under its bucket's config."""
+           device: str, job: EvalJob, end: float) -> list[dict]:
+    """Bench rows at `shapes` in their order, each shape under its bucket's config; a
+    TimeoutError when the job's time (`end`, monotonic) runs out first."""
     from autoopt.eval.bench import bench_op
 
     groups: dict[str, list[dict]] = {}
@@ -174,9 +184,19 @@ def _bench(op: str, path: Path, shapes: Sequence[dict], per_bucket: Mapping[str,
     rows = []
     for key, group in groups.items():
         cfg = json.loads(key)
-        for row in bench_op(op, path, group, device, compile=job.compile, config=cfg,
-                            warmup=job.warmup, iters=job.iters, timeout_s=job.timeout_s):
-            rows.append({**row.to_dict(), "config": cfg})
+        left = end - time.monotonic()
+        if left < MIN_STAGE_S:
+            raise TimeoutError(f"not timed: {left:.0f} s of the job's {job.timeout_s:.0f} s "
+                               f"were left for {path.stem}'s timing")
+        try:
+            timed = bench_op(op, path, group, device, compile=job.compile, config=cfg,
+                             warmup=job.warmup, iters=job.iters, timeout_s=left)
+        except RuntimeError as e:
+            if time.monotonic() < end:
+                raise
+            raise TimeoutError(f"not timed: {path.stem}'s timing ran past the job's "
+                               f"{job.timeout_s:.0f} s ({e})") from None
+        rows += [{**row.to_dict(), "config": cfg} for row in timed]
     order = [json.dumps(dict(s), sort_keys=True) for s in shapes]
     return sorted(rows, key=lambda r: order.index(json.dumps(r["shape"], sort_keys=True)))
 
