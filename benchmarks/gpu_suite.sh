@@ -50,7 +50,7 @@ declare -A STAGES=(
   [accept]="python3 benchmarks/gpu_accept.py \${ACCEPT_ARGS:-} && mkdir -p \$R/registry-after && cp -r kernels/. \$R/registry-after/"
   [batch-invariant]="python3 benchmarks/batch_invariant_bench.py --out \$R/batch-invariant \${BI_ARGS:-}"
   [tp]="python3 benchmarks/tp8_run.py --gpus \$(nvidia-smi -L | wc -l) --out \$R/tp \${TP_ARGS:-}"
-  [optimize]="python3 -m pip install -q --no-index --no-build-isolation --no-deps -e . && cd \$R && t0=\$(date +%s) && autoopt optimize \${OPTIMIZE_ARGS:---budget 5m}; echo \"wall \$((\$(date +%s) - t0)) s\""
+  [optimize]="python3 -m pip install -q --no-index --no-build-isolation --no-deps -e . && cd \$R && export AUTOOPT_RUNS_DIR=\$R/runs && t0=\$(date +%s) && autoopt optimize \${OPTIMIZE_ARGS:---budget 5m}; echo \"wall \$((\$(date +%s) - t0)) s\""
   [dsl-stash]="cp .dsl/part-* \$DSL_PARTS/ && ls -la \$DSL_PARTS"
   [dsl]="cp .dsl/part-* \$DSL_PARTS/ 2>/dev/null; mkdir -p \$SCRATCH/dsl && cat \$DSL_PARTS/part-* | xz -d | tar -x -C \$SCRATCH/dsl && python3 -c 'import cutlass, cutlass.cute; print(\"cutlass-dsl imports\")'"
 )
