@@ -15,8 +15,8 @@ it finishes, so a slow later stage never costs an earlier one's results):
    8192, kernel time attributed to ops inside the graph, plus a 16-kernel Nsight Compute sample
    of the top ops where ncu is installed; then the compile set's step at batch 1, to compare
    op by op (unless --skip-compile);
-4. compile: the torch.compile set of decode and prefill (Inductor compiles each op once per
-   argument kind), and for decode `tuned+compile` (the lock, Inductor for what it leaves),
+4. compile: the torch.compile set of decode (both contexts) and prefill (Inductor compiles each
+   op once per argument kind), and for decode `tuned+compile` (the lock, Inductor for the rest),
    merged into the tables of stages 1 and 2.
 Files under --out: bench_decode.{json,md,png}, bench_prefill.{json,md,png}, profile-b1.json/png,
 profile-b64.json/png, profile-compile-b1.json/png, summary.txt (also printed last).
@@ -134,7 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         if decode is not None:
             decode = run.stage("decode compile", lambda: _bench(
                 run, "bench_decode", target, batches, ctxs, ("compile", "tuned+compile"),
-                0.6 * run.share("compile"), layers=decode.layers, before=decode)) or decode
+                0.5 * run.share("compile"), layers=decode.layers, before=decode)) or decode
+            if long_ctx:  # the peer at the long context too: attention dominates there
+                decode = run.stage("decode compile, long context", lambda: _bench(
+                    run, "bench_decode", target, long_batches, (long_ctx,),
+                    ("compile", "tuned+compile"), 0.15 * run.share("compile"),
+                    layers=decode.layers, before=decode)) or decode
         if prefill is not None:
             prefill = run.stage("prefill compile", lambda: _bench(
                 run, "bench_prefill", ptarget, pbatches, pctx, ("compile",),

@@ -54,3 +54,28 @@ def test_profile_stage_adds_the_compile_sets_step(tmp_path: Path):
     comp = Profile.load(tmp_path / "profile-compile-b1.json")
     assert comp.kernels == "compile" and comp.batch == 1
     assert {r.op for r in comp.rows} & {"rmsnorm", "router", "moe_experts"}
+
+
+def test_the_compile_peer_runs_at_both_decode_contexts(tmp_path: Path, monkeypatch):
+    # The peer users would reach for belongs in every table the tuned set is in: the long
+    # context as well as the short one, and prefill.
+    from types import SimpleNamespace
+
+    script = _script()
+    calls = []
+
+    def fake_bench(run, stem, target, batches, contexts, sets, budget, phase=None, layers=None,
+                   before=None):
+        calls.append((stem, tuple(batches), tuple(contexts), tuple(sets)))
+        return before or SimpleNamespace(layers=2)
+
+    monkeypatch.setattr(script, "_bench", fake_bench)
+    monkeypatch.setattr(script, "_profile", lambda *a: [])
+    monkeypatch.setattr(script, "_summary", lambda *a: 0)
+    assert script.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    _, batches, ctxs, long_batches, long_ctx = script.DRY["decode"]
+    compile_rows = [c for c in calls if "compile" in c[3]]
+    assert ("bench_decode", batches, ctxs, ("compile", "tuned+compile")) in compile_rows
+    assert ("bench_decode", long_batches, (long_ctx,), ("compile", "tuned+compile")) in \
+        compile_rows
+    assert any(c[0] == "bench_prefill" for c in compile_rows)
