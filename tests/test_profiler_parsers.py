@@ -344,19 +344,28 @@ def test_the_nsight_sample_is_bounded_to_the_top_ops(monkeypatch):
     p = Profile("cpu-tiny", "decode", 3, 40, 8, "reference", "torch", "", "NVIDIA H200", None,
                 rows, 300.0, "", 234.0, 10.0, Rates(4e12, 8e14, 5e13, "test"),
                 checks={"seed": 4})
-    seen = {}
+    seen = []
 
     def fake_run(target, batch, layers, context, kernels, seed, **kw):
-        seen.update(target=target, batch=batch, layers=layers, seed=seed, **kw)
-        return nsight.NcuRun([KernelRecord("k", "moe_experts", 3.0, 6000)], "2025.3.1", 9.0,
-                             "csv", "ncu ...")
+        seen.append(dict(target=target, batch=batch, layers=layers, seed=seed, **kw))
+        if kw["ops"] == ("router",):
+            raise nsight.NcuError("router's run failed")
+        return nsight.NcuRun([KernelRecord(f"k_{kw['ops'][0]}", kw["ops"][0], 3.0, 6000)],
+                             "2025.3.1", 9.0, "csv", "ncu ...")
 
     monkeypatch.setattr(nsight, "run_ncu", fake_run)
-    out = nsight.sample_top_kernels(p, 24)
-    assert seen["ops"] == ("moe_experts", "router", "rmsnorm")  # op contracts by gap
-    assert seen["launch_count"] == 24 and seen["batch"] == 3 and seen["seed"] == 4
-    assert seen["layers"] == nsight.sample_layers(load_target("cpu-tiny")) == 6
-    k = out.checks["ncu_sample"]["kernels"][0]
+    out = nsight.sample_top_kernels(p, 24, timeout_s=90.0)
+    # One run per top op (by gap), each with a third of the kernels and of the time: a single
+    # run over all three stopped inside the first op's kernels.
+    assert [s["ops"] for s in seen] == [("moe_experts",), ("router",), ("rmsnorm",)]
+    assert all(s["launch_count"] == 8 and s["timeout_s"] == 30.0 and s["batch"] == 3
+               and s["seed"] == 4 for s in seen)
+    assert seen[0]["layers"] == nsight.sample_layers(load_target("cpu-tiny")) == 6
+    sample = out.checks["ncu_sample"]
+    assert sample["ops"] == ["moe_experts", "router", "rmsnorm"]
+    assert [k["op"] for k in sample["kernels"]] == ["moe_experts", "rmsnorm"]
+    assert sample["errors"] == {"router": "router's run failed"} and sample["wall_s"] == 18.0
+    k = sample["kernels"][0]
     assert k["dram_bytes"] == 6000 and k["gb_s"] == pytest.approx(2.0)
     monkeypatch.setattr(nsight, "run_ncu", lambda *a, **k: (_ for _ in ()).throw(
         nsight.NcuError("no ncu")))
