@@ -22,6 +22,7 @@ otherwise. `--no-compile` skips the torch.compile baselines
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import os
@@ -86,11 +87,36 @@ def bench_plan(op: str, device: str, dry: bool, decode: tuple[int, ...] = DECODE
 
     if dry or device == "cpu":
         return [("cpu-tiny", s) for s in cpu_shapes(op, DRY_TOKENS)]
+    from autoopt.targets import load_target
+
     cfg = preset("beam-1.0-501b")
     shard = cfg.shard(8)
     c = contract(op)
-    return ([("h200-tp8-decode", dict(c.shapes_for(cfg, t, shard))) for t in decode]
-            + [("h200-tp8-prefill", dict(c.shapes_for(cfg, t, shard))) for t in prefill])
+    out = []
+    for name, tokens in (("h200-tp8-decode", decode), ("h200-tp8-prefill", prefill)):
+        target = load_target(name)
+        for t in tokens:
+            if "context" not in inspect.signature(c.shapes_for).parameters:
+                out.append((name, dict(c.shapes_for(cfg, t, shard))))
+                continue
+            # Over the keys the target serves: decode rows at its first context, prefill chunks
+            # of its prompt length (one sequence each), not a context of T keys; on a
+            # sliding-window layer and on a full-attention one (which reads every key).
+            ctx = target.contexts[0]
+            seqs = 0 if target.phase == "decode" else max(1, t // ctx)
+            for layer in _attention_layers(cfg):
+                out.append((name, dict(c.shapes_for(
+                    cfg, t, shard, context=max(ctx, t) if seqs == 0 else ctx, seqs=seqs,
+                    layer=layer))))
+    return out
+
+
+def _attention_layers(cfg) -> list[int]:
+    """The first sliding-window layer and the first full-attention layer (either may be absent)."""
+    layers = range(cfg.num_hidden_layers)
+    slide = next((i for i in layers if cfg.window(i) is not None), None)
+    full = next((i for i in layers if cfg.window(i) is None), None)
+    return [i for i in (slide, full) if i is not None]
 
 
 def verify_shapes(op: str, device: str, dry: bool) -> list[dict] | None:

@@ -56,6 +56,20 @@ def test_gpu_plan_uses_beam_tp8_rank_shapes():
     assert script.bench_plan("norm_residual_norm", "cuda", dry=False)[0][1]["H"] == 5120
 
 
+def test_attention_is_timed_over_the_keys_the_targets_serve():
+    # Timed at S = T, decode attention had one key at T = 1: the rows said nothing of serving.
+    from autoopt.targets import load_target
+
+    plan = load_script().bench_plan("attention", "cuda", False, (1, 64), (2048,))
+    decode_ctx = load_target("h200-tp8-decode").contexts[0]
+    decode = [s for t, s in plan if t == "h200-tp8-decode"]
+    assert [(s["T"], s["S"], s["seqs"]) for s in decode] == [(1, decode_ctx, 0)] * 2 + \
+        [(64, decode_ctx, 0)] * 2
+    assert sorted({s["W"] for s in decode}) == [0, 512]  # a full-attention and a window layer
+    prefill = [s for t, s in plan if t == "h200-tp8-prefill"]
+    assert all(s["T"] == 2048 and s["seqs"] == 1 and s["S"] == 2048 for s in prefill)
+
+
 def test_bench_only_times_a_variant_verified_earlier_and_keeps_its_verification(tmp_path, capsys):
     script = load_script()
     code = script.main(["--dry-run", "--ops", "rmsnorm", "--bench-only", "rmsnorm/triton_v1",
