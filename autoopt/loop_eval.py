@@ -23,8 +23,9 @@ When a verified candidate wins (the rule the report states):
   (speed not judged), never accepted or locked, and the report says so.
 Tuning trials of trusted proposals (the built-in templates: the project's own code, not an
 agent's) are timed in-process on a worker with the harness's `time_callable` (GPU only);
-everything an agent wrote runs only in the sandbox. A verification's child process is bounded
-by the op's deadline.
+everything an agent wrote runs only in the sandbox. An evaluation (verification, then the
+candidate's and the baseline's timings) is bounded as a whole by the op's deadline plus a grace;
+a candidate verified too late to be timed is reported untimed and not registered.
 """
 
 from __future__ import annotations
@@ -193,18 +194,22 @@ class HarnessEvaluator:
             timed=self.ctx.meaningful, baseline_name=self.baseline_name,
             baseline_source=base_source, baseline_per_bucket=base_per, language=language,
             compile=self.ctx.compile, warmup=self.ctx.bench_warmup, iters=self.ctx.bench_iters,
-            timeout_s=self.timeout_s())
+            timeout_s=self.timeout_s(), budget_s=self.budget_s())
+
+    def budget_s(self) -> float | None:
+        """What an evaluation has in all (verification and both timings): until the op's
+        deadline plus a grace (a candidate started just in time may finish), never past the
+        sessions' end; None without either; >= 5 s."""
+        now = time.monotonic()
+        ends = [d for d in (None if self.deadline is None else self.deadline + DEADLINE_GRACE_S,
+                            self.hard_deadline) if d is not None]
+        return max(5.0, min(ends) - now) if ends else None
 
     def timeout_s(self) -> float:
-        """A verification child's limit: the run's, cut at the op's deadline plus a grace (a
-        candidate started just in time may finish), never past the sessions' end; >= 5 s."""
-        limit = self.ctx.verify_timeout_s
-        now = time.monotonic()
-        if self.deadline is not None:
-            limit = min(limit, self.deadline - now + DEADLINE_GRACE_S)
-        if self.hard_deadline is not None:
-            limit = min(limit, self.hard_deadline - now)
-        return max(5.0, limit)
+        """One verification's (or timing's) limit: the run's, within `budget_s`; >= 5 s."""
+        budget = self.budget_s()
+        return max(5.0, min(self.ctx.verify_timeout_s, budget if budget is not None else
+                            self.ctx.verify_timeout_s))
 
     # ---- timing -------------------------------------------------------------------------------
     def _per_bucket(self, proposal: Proposal) -> dict[str, Mapping | None]:

@@ -192,9 +192,10 @@ def test_profile_candidate_on_a_gpu_reads_ncu_metrics():
 
 
 def test_an_eval_job_keeps_its_timing_inside_its_time_limit(monkeypatch):
-    # The job's limit is the op's deadline: on an H200 a template candidate verified near it was
-    # then timed (candidate and baseline, eight buckets) for 72 s more. Now timing gets only what
-    # verification left; a verified candidate without time for it comes back untimed.
+    # The job's budget is the op's deadline: on an H200 a template candidate verified near it was
+    # then timed (candidate and baseline, eight buckets) for 72 s more, each stage under the full
+    # limit again. Now timing gets only what verification left; a verified candidate without
+    # time for it comes back untimed. Without a budget each stage keeps its own limit.
     import time
 
     import autoopt.eval.bench as bench
@@ -209,15 +210,19 @@ def test_an_eval_job_keeps_its_timing_inside_its_time_limit(monkeypatch):
 
     monkeypatch.setattr(bench, "bench_op", fake_bench)
     shapes = ({"T": 1, "H": 64},)
-    job = EvalJob(op="swiglu", name="a01_x", source="", timed=True, bench_shapes=shapes,
-                  timeout_s=jobs.MIN_STAGE_S - 1)
-    res = job.run("cpu")
+
+    def job(**kw):
+        return EvalJob(op="swiglu", name="a01_x", source="", timed=True, bench_shapes=shapes,
+                       **kw)
+
+    res = job(budget_s=jobs.MIN_STAGE_S - 1).run("cpu")
     assert res["stage"] == "verify" and res["rows"] == [] and "not timed" in res["untimed"]
     assert timed == []
-    res = EvalJob(op="swiglu", name="a01_x", source="", timed=True, bench_shapes=shapes,
-                  timeout_s=60).run("cpu")
+    res = job(budget_s=60, timeout_s=300).run("cpu")
     assert res["stage"] == "bench" and "untimed" not in res
-    assert len(timed) == 1 and 0 < timed[0] <= 60  # what was left of the job, not 60 again
+    assert len(timed) == 1 and 0 < timed[0] <= 60  # what was left of the job, not 300
+    res = job(timeout_s=300).run("cpu")  # no deadline: each stage its own limit
+    assert res["stage"] == "bench" and timed[-1] == 300
 
     def slow_bench(op, path, shapes, device, *, timeout_s, **kw):
         time.sleep(timeout_s + 0.05)  # the worker's budget ends the timing
@@ -225,6 +230,7 @@ def test_an_eval_job_keeps_its_timing_inside_its_time_limit(monkeypatch):
 
     monkeypatch.setattr(bench, "bench_op", slow_bench)
     monkeypatch.setattr(jobs, "MIN_STAGE_S", 0.2)
-    res = EvalJob(op="swiglu", name="a01_x", source="", timed=True, bench_shapes=shapes,
-                  timeout_s=0.5).run("cpu")
+    res = job(budget_s=0.5).run("cpu")
     assert "ran past the job's" in res["untimed"] and res["rows"] == []
+    with pytest.raises(RuntimeError, match="budget spent"):  # no deadline: a real failure
+        job(timeout_s=0.3).run("cpu")

@@ -298,3 +298,22 @@ def test_cli_agent_options_are_listed_and_checked_before_any_work(tmp_path):
                                    "-O", "trials", "--runs-dir", str(runs)])
     assert res.exit_code == 2 and "KEY=VALUE" in res.output
     assert not runs.exists()
+
+
+def test_an_evaluation_is_bounded_by_the_ops_deadline_as_a_whole(tmp_path, monkeypatch):
+    import time
+
+    from autoopt.loop_eval import DEADLINE_GRACE_S
+
+    _, ev = _gpu_evaluator(tmp_path, monkeypatch, cand_us=5.0)
+    assert ev.budget_s() is None and ev.timeout_s() == ev.ctx.verify_timeout_s
+    ev.deadline = time.monotonic() + 1000.0  # far: a verification keeps its own limit
+    assert 1000 < ev.budget_s() <= 1000 + DEADLINE_GRACE_S
+    assert ev.timeout_s() == ev.ctx.verify_timeout_s
+    ev.deadline = time.monotonic() + 40.0
+    assert ev.timeout_s() == pytest.approx(ev.budget_s(), abs=0.5) and ev.budget_s() < 56
+    ev.hard_deadline = time.monotonic() + 10.0  # the sessions' end comes first
+    assert ev.budget_s() <= 10.0
+    ev.evaluate(_proposal())
+    job = ev.farm.jobs[-1]
+    assert job.budget_s <= 10.0 and job.timeout_s <= 10.0

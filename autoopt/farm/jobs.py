@@ -18,6 +18,7 @@ the run's ledger).
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import tempfile
@@ -98,10 +99,11 @@ class EvalJob:
     compile: bool = False
     warmup: int = 10
     iters: int = 50
-    timeout_s: float = 300.0  # the whole job: verification, then both timings
+    timeout_s: float = 300.0  # each verification's and each timing's limit
+    budget_s: float | None = None  # the whole job's (the op's deadline); None: no such bound
 
     def run(self, device: str) -> dict:
-        end = time.monotonic() + self.timeout_s
+        end = time.monotonic() + (self.budget_s if self.budget_s is not None else math.inf)
         with tempfile.TemporaryDirectory(prefix="autoopt-job-") as tmp:
             path = _write(Path(tmp), self.name, self.source)
             compile_errors = precheck(self.language, path, device)
@@ -146,14 +148,17 @@ class EvalJob:
         configs = distinct(self.configs)
         for cfg in configs:
             rep = verify_variant(self.op, path, device=device, seeds=self.verify_seeds,
-                                 shapes=shapes, config=cfg,
-                                 timeout_s=max(MIN_STAGE_S, end - time.monotonic()))
+                                 shapes=shapes, config=cfg, timeout_s=self.stage_s(end))
             reports.append(rep.to_dict())
             if not rep.passed:
                 where = f"with config {cfg}: " if len(configs) > 1 else ""
                 reasons += [where + r for r in rep.reasons]
                 break  # the first failing config is enough evidence
         return reasons, reports
+
+    def stage_s(self, end: float) -> float:
+        """A verification's or timing's limit: its own, cut at the job's end; >= MIN_STAGE_S."""
+        return max(MIN_STAGE_S, min(self.timeout_s, end - time.monotonic()))
 
     def _baseline(self, tmp: Path, device: str, end: float) -> list[dict]:
         if self.baseline_source is None:
@@ -186,16 +191,16 @@ def _bench(op: str, path: Path, shapes: Sequence[dict], per_bucket: Mapping[str,
         cfg = json.loads(key)
         left = end - time.monotonic()
         if left < MIN_STAGE_S:
-            raise TimeoutError(f"not timed: {left:.0f} s of the job's {job.timeout_s:.0f} s "
+            raise TimeoutError(f"not timed: {left:.0f} s of the job's {job.budget_s:.0f} s "
                                f"were left for {path.stem}'s timing")
         try:
             timed = bench_op(op, path, group, device, compile=job.compile, config=cfg,
-                             warmup=job.warmup, iters=job.iters, timeout_s=left)
+                             warmup=job.warmup, iters=job.iters, timeout_s=job.stage_s(end))
         except RuntimeError as e:
             if time.monotonic() < end:
                 raise
             raise TimeoutError(f"not timed: {path.stem}'s timing ran past the job's "
-                               f"{job.timeout_s:.0f} s ({e})") from None
+                               f"{job.budget_s:.0f} s ({e})") from None
         rows += [{**row.to_dict(), "config": cfg} for row in timed]
     order = [json.dumps(dict(s), sort_keys=True) for s in shapes]
     return sorted(rows, key=lambda r: order.index(json.dumps(r["shape"], sort_keys=True)))
