@@ -14,7 +14,8 @@
 # from a CUDA graph as served) unless STEP_SETS / PROFILE_ARGS say otherwise: the reference MoE
 # syncs with the host, so the reference set runs eagerly, at hundreds of ms per step.
 #
-# Packages the machine lacks travel as wheels: .whl/*.whl (small ones), .whl-fi/*.whl
+# Packages the machine lacks travel as wheels: .whl/*.whl (small ones; benchmarks/gpu_wheels.py
+# fetches them), .whl-fi/*.whl
 # (FlashInfer) are installed into a scratch site directory first. nvidia-cutlass-dsl is too large
 # for one transfer: `dsl-stash` keeps the parts carried in .dsl/ in a scratch directory that a
 # machine keeps for a short while after a call, and `dsl` joins them with the parts of the next
