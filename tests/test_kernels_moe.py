@@ -22,7 +22,7 @@ from model.registry import Registry
 def variants() -> dict:
     reg = Registry()
     return {name: reg.load_variant("moe_experts", name)
-            for name in ("triton_v1", "grouped_mm_v1", "grouped_mm_v2")}
+            for name in ("triton_v1", "triton_v2", "grouped_mm_v1", "grouped_mm_v2")}
 
 
 def routing(kind: str, t: int, e: int, k: int, g: torch.Generator) -> torch.Tensor:
@@ -84,6 +84,41 @@ def test_triton_v1_matches_the_reference(variants, case, seed) -> None:
     check(variants["triton_v1"].run(*args, config=cfg), args)
 
 
+GROUPED_CASES = [c for c in TRITON_CASES if c[6]["PATH"] == "grouped"] + [
+    (130, 32, 16, 16, 8, "skewed", {"PATH": "decode"}),  # more pairs than the decode scan
+    (9, 48, 5, 24, 3, "dup", {"PATH": "grouped", "BLOCK_M": 16}),  # E not a power of two
+]
+
+
+@pytest.mark.parametrize("case", GROUPED_CASES, ids=lambda c: f"T{c[0]}-E{c[2]}-{c[5]}")
+def test_triton_v2_matches_the_reference(variants, case) -> None:
+    t, h, e, i, k, kind, cfg = case
+    args = inputs(t, h, e, i, k, 3, kind)
+    out = variants["triton_v2"].run(*args, config=cfg)
+    check(out, args)
+    # Its one-launch sort orders the pairs exactly as triton_v1's torch sort: the same tiles.
+    assert torch.equal(out, variants["triton_v1"].run(*args, config=cfg))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_one_launch_sort_is_the_torch_sort(variants, seed) -> None:
+    # Counts, starts, tile ends and the stable order, bitwise: ids of other ranks (below and
+    # above this rank's range), experts hit by none, one or many pairs, P across block edges.
+    mod = variants["triton_v2"]
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(5):
+        t, k = int(torch.randint(1, 150, (1,), generator=g)), int(torch.randint(1, 9, (1,),
+                                                                                  generator=g))
+        e = int(torch.randint(1, 40, (1,), generator=g))
+        offset = int(torch.randint(-1, 3, (1,), generator=g)) * e
+        ids = torch.randint(0, 3 * e, (t, k), generator=g)
+        block_m = (1, 16, 64)[seed % 3]
+        want = mod.align(ids, e, offset, block_m)
+        got = mod.align_fused(ids, e, offset, block_m)
+        for name, a, b in zip(("order", "counts", "starts", "tile_end"), want, got, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), (name, t, k, e, offset)
+
+
 @pytest.mark.parametrize("path", ["decode", "grouped"])
 @pytest.mark.parametrize("offset", [4, -3, 100])
 def test_expert_offset_slots_held_elsewhere_give_zero(variants, path, offset) -> None:
@@ -91,8 +126,8 @@ def test_expert_offset_slots_held_elsewhere_give_zero(variants, path, offset) ->
     x, gu, dn, w, _, scale = inputs(9, 64, 8, 32, 8, 3)
     ids = routing("spread", 9, 24, 8, torch.Generator().manual_seed(5))
     args = (x, gu, dn, w, ids, scale, offset)
-    for name in ("triton_v1", "grouped_mm_v1", "grouped_mm_v2"):
-        cfg = {"PATH": path} if name == "triton_v1" else None
+    for name in ("triton_v1", "triton_v2", "grouped_mm_v1", "grouped_mm_v2"):
+        cfg = {"PATH": path} if name.startswith("triton") else None
         check(variants[name].run(*args, config=cfg), args)
     if offset == 100:  # nothing held: exactly zero
         assert not variants["triton_v1"].run(*args, config={"PATH": path}).any()
@@ -253,7 +288,7 @@ def test_the_policy_rejects_near_misses_and_a_dropped_slot() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["triton_v1", "grouped_mm_v1", "grouped_mm_v2"])
+@pytest.mark.parametrize("name", ["triton_v1", "triton_v2", "grouped_mm_v1", "grouped_mm_v2"])
 def test_verifies_through_the_harness(name) -> None:
     from autoopt.eval import default_shapes, verify_variant
 
@@ -269,14 +304,14 @@ RANK = {"H": 5120, "E": 256, "I": 320, "k": 8}
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 2, 4, 8, 16, 32, 64, 2048])
-@pytest.mark.parametrize("name", ["triton_v1", "grouped_mm_v1", "grouped_mm_v2"])
+@pytest.mark.parametrize("name", ["triton_v1", "triton_v2", "grouped_mm_v1", "grouped_mm_v2"])
 def test_rank_shapes_on_the_gpu(variants, name, t) -> None:
     args = inputs(t, RANK["H"], RANK["E"], RANK["I"], RANK["k"], t, "skewed", device="cuda")
     check(variants[name].run(*args), args)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["triton_v1", "grouped_mm_v1", "grouped_mm_v2"])
+@pytest.mark.parametrize("name", ["triton_v1", "triton_v2", "grouped_mm_v1", "grouped_mm_v2"])
 def test_captured_in_a_cuda_graph(variants, name) -> None:
     args = inputs(4, RANK["H"], 32, RANK["I"], RANK["k"], 0, "skewed", device="cuda")
     run = variants[name].run
@@ -302,7 +337,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from model.registry import Registry
-m = Registry().load_variant("moe_experts", "triton_v1")
+m = Registry().load_variant("moe_experts", sys.argv[2])
 target = GPUTarget("cuda", 90, 32)
 backend = triton.compiler.make_backend(target)
 for kernel, types, constexprs, warps in json.loads(sys.argv[1]):
@@ -348,9 +383,12 @@ SM90_CASES = [
     ["_moe_experts_combine_kernel", _COMMON,
      {"K_TOP": 8, "K2": 8, "BLOCK_H": 512, "ON_GPU": True}, 4],
 ]
+ALIGN_CASE = ["_align_kernel", _COMMON, {"E2": 256, "BLOCK": 64, "BLOCK_M": 16}, 8]
 
 
-def test_gpu_kernels_compile_for_sm90(tmp_path):
+@pytest.mark.parametrize("name,cases", [("triton_v1", SM90_CASES),
+                                        ("triton_v2", [*SM90_CASES, ALIGN_CASE])])
+def test_gpu_kernels_compile_for_sm90(tmp_path, name, cases):
     import json
     import os
     import shutil
@@ -366,11 +404,11 @@ def test_gpu_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    res = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(SM90_CASES)], env=env,
+    res = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases), name], env=env,
                          capture_output=True, text=True, timeout=600,
                          cwd=Path(__file__).resolve().parent.parent)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("ok ") == len(SM90_CASES), res.stdout
+    assert res.stdout.count("ok ") == len(cases), res.stdout
 
 
 # ---- the template family the template agent tunes ----------------------------------------------
