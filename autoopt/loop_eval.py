@@ -134,7 +134,11 @@ class HarnessEvaluator:
             reasons, reports = list(res["reasons"]), res["reports"]
             (cand_dir / f"{stem}.verify.json").write_text(json.dumps(reports, default=str))
             verdict = "reject" if reasons else "pass"
-            if verdict == "pass" and self.ctx.meaningful and res.get("untimed"):
+            if res.get("unjudged"):
+                # The op's deadline cut a verification short: no verdict on the candidate.
+                verdict, reasons = "error", [res["unjudged"]]
+                outcome = "not registered: unjudged"
+            elif verdict == "pass" and self.ctx.meaningful and res.get("untimed"):
                 # Verified, but the op's deadline came before its timing: no speed, no decision.
                 outcome = f"verified, not registered: {res['untimed']}"
             elif verdict == "pass" and self.ctx.meaningful:

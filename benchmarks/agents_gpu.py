@@ -38,6 +38,9 @@ TOTAL_S = 235.0  # the whole script
 LAUNCHES = 16
 EXACT = ("registers", "smem_per_block", "block", "grid")
 CLOSE = {"dram_bytes": 0.05, "duration_us": 0.25}  # relative
+# ...or absolute: a small kernel's DRAM bytes depend on what the kernel before it left in the
+# 50 MB L2 (on an H200 a 200 KB copy read 195,840 bytes in one run and 220,672 in the next).
+SLACK = {"dram_bytes": 64 * 1024}
 POINTS = {"occupancy_pct": 10.0, "l2_hit_pct": 10.0}  # absolute percentage points
 
 
@@ -115,7 +118,7 @@ def compare(tool: list[dict], hand: list[dict]) -> dict:
                 diffs[f] = [a.get(f), b.get(f)]
         for f, rel in CLOSE.items():
             x, y = a.get(f), b.get(f)
-            if x is None or y is None or abs(x - y) > rel * max(abs(y), 1e-9):
+            if x is None or y is None or abs(x - y) > max(rel * abs(y), SLACK.get(f, 1e-9)):
                 diffs[f] = [x, y]
         for f, pts in POINTS.items():
             x, y = a.get(f), b.get(f)
@@ -127,7 +130,8 @@ def compare(tool: list[dict], hand: list[dict]) -> dict:
                      "by_hand": b, "differences": diffs})
     return {"passed": ok, "kernels": rows, "tool_kernels": len(tool),
             "hand_kernels": len(hand),
-            "rule": f"identical {', '.join(EXACT)}; {CLOSE} relative; {POINTS} points"}
+            "rule": f"identical {', '.join(EXACT)}; {CLOSE} relative or {SLACK} absolute; "
+                    f"{POINTS} points"}
 
 
 def profile_part(out: Path, dry: bool) -> dict:

@@ -201,7 +201,8 @@ def test_an_eval_job_keeps_its_timing_inside_its_time_limit(monkeypatch):
     import autoopt.eval.bench as bench
     from autoopt.farm import jobs
 
-    monkeypatch.setattr(jobs.EvalJob, "_verify", lambda self, path, device, end: ([], [{}]))
+    monkeypatch.setattr(jobs.EvalJob, "_verify",
+                        lambda self, path, device, end: ([], [{}], None))
     timed = []
 
     def fake_bench(op, path, shapes, device, *, timeout_s, **kw):
@@ -234,3 +235,40 @@ def test_an_eval_job_keeps_its_timing_inside_its_time_limit(monkeypatch):
     assert "ran past the job's" in res["untimed"] and res["rows"] == []
     with pytest.raises(RuntimeError, match="budget spent"):  # no deadline: a real failure
         job(timeout_s=0.3).run("cpu")
+
+
+def test_a_verification_the_deadline_cuts_short_is_unjudged_not_rejected(monkeypatch):
+    # On an H200 an op's deadline ended a template candidate's verification 43 s into it, and
+    # the run recorded "timeout ... the candidate hung or was too slow" as a rejection. A timeout
+    # under a limit the deadline cut is the deadline's: unjudged. Under its own full limit it is
+    # the candidate's: rejected. Any other failure is the candidate's whatever the limit.
+    import time
+    from types import SimpleNamespace
+
+    import autoopt.eval.verify as verify
+    from autoopt.farm import jobs
+
+    def fake_verify(reasons, sleep=True):
+        def run(op, path, *, timeout_s, **kw):
+            if sleep:
+                time.sleep(timeout_s)
+            return SimpleNamespace(passed=not reasons, reasons=list(reasons),
+                                   to_dict=lambda: {"reasons": list(reasons)})
+        return run
+
+    def job(**kw):
+        return EvalJob(op="swiglu", name="a01_x", source="", timed=True,
+                       bench_shapes=({"T": 1, "H": 64},), configs=({"B": 1}, {"B": 2}), **kw)
+
+    monkeypatch.setattr(jobs, "MIN_STAGE_S", 0.2)
+    hung = ["timeout after 0.5 s (the candidate hung or was too slow; worker killed)"]
+    monkeypatch.setattr(verify, "verify_variant", fake_verify(hung))
+    res = job(budget_s=0.5, timeout_s=300).run("cpu")
+    assert res["reasons"] == [] and "not judged" in res["unjudged"], res
+    assert "ran out with config {'B': 1}" in res["unjudged"] and res["rows"] == []
+    res = job(budget_s=None, timeout_s=0.3).run("cpu")  # its own limit: the candidate's fault
+    assert "unjudged" not in res and res["reasons"] and "hung" in res["reasons"][0]
+    monkeypatch.setattr(verify, "verify_variant",
+                        fake_verify(["mismatch at T=1: 3 of 64 outputs"], sleep=False))
+    res = job(budget_s=0.5, timeout_s=300).run("cpu")
+    assert "unjudged" not in res and "mismatch" in res["reasons"][0]

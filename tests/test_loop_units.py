@@ -39,6 +39,7 @@ class ScriptedFarm:
         self.jobs: list = []
         self.fail: Exception | None = None
         self.untimed: str | None = None
+        self.unjudged: str | None = None
 
     def submit(self, job):
         from concurrent.futures import Future
@@ -56,7 +57,8 @@ class ScriptedFarm:
         fut.set_result({"reasons": [], "reports": [{"verdict": "pass", "device": "cuda:0"}],
                         "rows": [] if self.untimed else rows, "baseline_rows": [],
                         "device_s": 1.5, "kind": job.kind, "worker": "host/cuda:0",
-                        **({"untimed": self.untimed} if self.untimed else {})})
+                        **({"untimed": self.untimed} if self.untimed else {}),
+                        **({"unjudged": self.unjudged} if self.unjudged else {})})
         return fut
 
 
@@ -117,6 +119,15 @@ def test_a_candidate_the_deadline_left_untimed_is_not_registered(tmp_path, monke
     a = ev.evaluate(_proposal()).attempt
     assert a.verdict == "pass" and a.outcome.startswith("verified, not registered: not timed")
     assert a.speedup is None and ctx.registry.variants("swiglu") == []
+
+
+def test_a_candidate_whose_verification_the_deadline_cut_is_unjudged(tmp_path, monkeypatch):
+    ctx, ev = _gpu_evaluator(tmp_path, monkeypatch, cand_us=5.0)
+    ev.farm.unjudged = "not judged: the job's 120 s ran out during its verification"
+    a = ev.evaluate(_proposal()).attempt
+    assert a.verdict == "error" and a.reasons == (ev.farm.unjudged,)
+    assert a.outcome == "not registered: unjudged" and a.speedup is None
+    assert ctx.registry.variants("swiglu") == []
 
 
 def test_faster_than_the_floor_is_void(tmp_path, monkeypatch):

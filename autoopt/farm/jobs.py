@@ -75,6 +75,7 @@ def distinct(configs: Sequence[Mapping | None]) -> list[dict | None]:
 # ---- verify and time ----------------------------------------------------------------------
 _BASELINES: dict[str, list[dict]] = {}  # per worker process: baseline timings already taken
 MIN_STAGE_S = 5.0  # a verification or timing given less than this is not started
+DEADLINE_SLACK_S = 2.0  # a timeout this near the job's end is the deadline's, not the candidate's
 
 
 @dataclass(frozen=True)
@@ -110,9 +111,11 @@ class EvalJob:
             if compile_errors:
                 return {"reasons": compile_errors, "reports": [], "rows": [],
                         "baseline_rows": [], "stage": "compile"}
-            reasons, reports = self._verify(path, device, end)
+            reasons, reports, cut = self._verify(path, device, end)
             out: dict[str, Any] = {"reasons": reasons, "reports": reports, "rows": [],
                                    "baseline_rows": [], "stage": "verify"}
+            if cut:
+                out["unjudged"] = cut
             if reasons or not self.timed:
                 return out
             # Timing shares the job's limit (an op's deadline): a candidate verified just in
@@ -139,7 +142,11 @@ class EvalJob:
                 out.append(dict(s))
         return out
 
-    def _verify(self, path: Path, device: str, end: float) -> tuple[list[str], list[dict]]:
+    def _verify(self, path: Path, device: str, end: float
+                ) -> tuple[list[str], list[dict], str | None]:
+        """(reasons, reports, why it is unjudged or None). A verification that times out only
+        because the job's deadline cut its limit short says nothing about the candidate: it is
+        neither passed nor rejected, and the third element says so."""
         from autoopt.eval.verify import verify_variant
 
         shapes = self.shapes(device)
@@ -147,14 +154,21 @@ class EvalJob:
         reports: list[dict] = []
         configs = distinct(self.configs)
         for cfg in configs:
+            limit = self.stage_s(end)
             rep = verify_variant(self.op, path, device=device, seeds=self.verify_seeds,
-                                 shapes=shapes, config=cfg, timeout_s=self.stage_s(end))
+                                 shapes=shapes, config=cfg, timeout_s=limit)
             reports.append(rep.to_dict())
             if not rep.passed:
                 where = f"with config {cfg}: " if len(configs) > 1 else ""
+                if (limit < self.timeout_s and time.monotonic() >= end - DEADLINE_SLACK_S
+                        and rep.reasons and all("timeout after" in r for r in rep.reasons)):
+                    return [], reports, (
+                        f"not judged: the job's {self.budget_s:.0f} s ran out {where}during "
+                        f"its verification ({limit:.0f} s were left of the "
+                        f"{self.timeout_s:.0f} s a verification may take)")
                 reasons += [where + r for r in rep.reasons]
                 break  # the first failing config is enough evidence
-        return reasons, reports
+        return reasons, reports, None
 
     def stage_s(self, end: float) -> float:
         """A verification's or timing's limit: its own, cut at the job's end; >= MIN_STAGE_S."""
