@@ -53,6 +53,7 @@ class BenchModelArgs:
     proxy: bool = False
     budget_s: float | None = None
     count_kernels: bool = True  # one profiled step per row
+    first_fit: bool = False  # each batch at the first of `contexts` where it fits, only there
 
     def __post_init__(self) -> None:
         if self.phase not in (None, "decode", "prefill"):
@@ -254,12 +255,22 @@ def run_bench(args: BenchModelArgs, say: Callable[[str], None] = print) -> Bench
     floors: dict[str, Any] = {}
     backend = ""
     try:
-        for ctx in contexts:
+        pending = tuple(batches)
+        for i, ctx in enumerate(contexts):
+            todo = pending if args.first_fit else tuple(batches)
+            if not todo:
+                break
             free = torch.cuda.mem_get_info(device)[0] if gpu else None
-            fit, why = fitting_batches(target, batches, ctx, rank.layers, free)
+            fit, why = fitting_batches(target, todo, ctx, rank.layers, free)
             notes += why
-            rows += [Row(ctx, b, s, ran=False, why="does not fit") for b in batches
-                     if b not in fit for s in sets]
+            unfit = tuple(b for b in todo if b not in fit)
+            if args.first_fit and unfit and i + 1 < len(contexts):
+                notes.append(f"context {ctx}: batch {', '.join(map(str, unfit))} run at "
+                             f"context {contexts[i + 1]} (or the next one where they fit)")
+            else:
+                rows += [Row(ctx, b, s, ran=False, why="does not fit") for b in unfit
+                         for s in sets]
+            pending = unfit
             if not fit:
                 continue
             refs: dict[int, torch.Tensor] = {}

@@ -101,8 +101,10 @@ def bench_model(
                                 "target's first)."),
     layers: int = typer.Option(None, "--layers", help="Layers (default: the target's, or what "
                                "fits)."),
-    kernels: str = typer.Option(None, "--kernels", help="Kernel sets: reference, tuned, "
-                                "compile, tuned+compile (the lock, Inductor for the rest), or "
+    kernels: str = typer.Option(None, "--kernels", help="Kernel sets: reference, "
+                                "reference-graphs (the MoE's capturable library path, so the "
+                                "step replays from CUDA graphs), tuned, compile, "
+                                "tuned+compile (the lock, Inductor for the rest), or "
                                 "lock file paths (default: reference,tuned,compile on a GPU; "
                                 "reference,tuned on the CPU)."),
     attention_backend: str = typer.Option("auto", "--attention-backend",

@@ -190,6 +190,55 @@ def test_compile_set_runs_the_recorded_library_moe_where_it_can(tmp_path):
     assert any("hashes to" in n for n in edited.notes), edited.notes
 
 
+def test_reference_graphs_is_the_reference_with_a_capturable_moe(tmp_path):
+    # The optimize loop's end-to-end baseline on a GPU: the plain reference's MoE syncs with the
+    # host, so its step runs eagerly (398 ms at bs 1 on an H200, which no server does).
+    from autoopt.profiler.kernel_sets import kernel_set
+    from model.ops import CONTRACTS
+
+    cpu = torch.device("cpu")
+    ks = kernel_set("reference-graphs", cpu)
+    assert ks.table.sources["moe_experts"].startswith("grouped_mm_v2")
+    assert all(ks.table.sources.get(op, "reference") == "reference" for op in CONTRACTS
+               if op != "moe_experts")
+    assert any("runs moe_experts/grouped_mm_v2" in n for n in ks.notes)
+    (tmp_path / "empty").mkdir()
+    bare = kernel_set("reference-graphs", cpu, registry=tmp_path / "empty")
+    assert bare.table.sources.get("moe_experts", "reference") == "reference"
+    assert any("eagerly" in n for n in bare.notes)
+
+
+def test_first_fit_runs_each_batch_at_the_first_context_where_it_fits(monkeypatch):
+    # A TP8 rank's weights leave no room for bs 32 and 64 at 100k keys on one H200: the loop's
+    # end-to-end check runs those at the target's next context instead of not at all.
+    from autoopt import bench_model
+
+    real = bench_model.fitting_batches
+
+    def fits(target, batches, context, layers, free):
+        keep, notes = real(target, batches, context, layers, free)
+        if context == 48:
+            notes = [f"context 48, batch {b}: not run (too big)" for b in batches if b > 1]
+            keep = [b for b in keep if b == 1]
+        return keep, notes
+
+    monkeypatch.setattr(bench_model, "fitting_batches", fits)
+    args = BenchModelArgs("cpu-tiny", batches=(1, 3), contexts=(48, 40), layers=2, iters=1,
+                          warmup=0, first_fit=True, count_kernels=False)
+    res = bench_model.run_bench(args, say=lambda line: None)
+    ran = sorted((r.batch, r.context, r.kernels) for r in res.rows if r.ran)
+    assert ran == [(1, 48, "reference"), (1, 48, "tuned"), (3, 40, "reference"),
+                   (3, 40, "tuned")]
+    assert not [r for r in res.rows if not r.ran]
+    assert any("context 48: batch 3 run at context 40" in n for n in res.notes)
+    # Without first_fit every batch is tried at every context; what does not fit says so.
+    args = BenchModelArgs("cpu-tiny", batches=(1, 3), contexts=(48, 40), layers=2, iters=1,
+                          warmup=0, count_kernels=False)
+    res = bench_model.run_bench(args, say=lambda line: None)
+    assert {(r.batch, r.context) for r in res.rows if not r.ran} == {(3, 48)}
+    assert {(r.batch, r.context) for r in res.rows if r.ran} == {(1, 48), (1, 40), (3, 40)}
+
+
 def test_tuned_plus_compile_keeps_the_lock_and_compiles_the_rest(tmp_path):
     # The set a server would run if it compiled what the registry has no kernel for: the lock's
     # variants as they are, Inductor for the other ops (composites composed from their parts).

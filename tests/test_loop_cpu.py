@@ -131,9 +131,9 @@ def test_report_headline_is_the_served_step_against_its_floor(run):
     assert sorted(int(b) for b in table) == sorted({r["batch"] for r in data["rows"]})
     for r in data["rows"]:
         cells = table[str(r["batch"])]
-        col = 1 + data["kernels"].index(r["kernels"])
+        col = 2 + data["kernels"].index(r["kernels"])
         assert cells[col] == f"{r['median_ms']:.3f} ({r['x_floor']:.1f}x)"
-        assert cells[0] == f"{r['floor_ms']:.3f}"
+        assert cells[0] == str(r["context"]) and cells[1] == f"{r['floor_ms']:.3f}"
         assert r["parity"] or r["kernels"] == "reference"
         if r["kernels"] != "reference":
             assert r["parity"]["top1_agree"] and r["parity"]["finite"]

@@ -1,6 +1,10 @@
 """Kernel sets a step can run with: `reference`, `tuned`, `compile`, or a registry lock file.
 
 - `reference`: every op's plain PyTorch reference.
+- `reference-graphs`: the reference set as a server can replay it from CUDA graphs: every op's
+  reference except those that cannot be captured (`moe_experts`), which run their recorded
+  library stand-in where the registry has it for this arch (as in `compile`, below); the
+  baseline of the optimize loop's end-to-end check on a GPU.
 - `tuned`: the registry's lock for this machine's arch (model/registry.py resolves it).
 - `compile`: the peer a user would reach for: every op's reference under `torch.compile`
   (Inductor, with `emulate_precision_casts` so it keeps the reference's BF16 roundings, hence
@@ -50,6 +54,20 @@ def _reference(_name: str, _device: torch.device, _registry: str | None) -> Kern
     return KernelSet("reference", OpTable())
 
 
+def _reference_graphs(name: str, device: torch.device, registry: str | None) -> KernelSet:
+    impls, sources, notes = {}, {}, []
+    for op, variant in LIBRARY_STANDIN.items():
+        call, refused = _standin(op, device, registry)
+        if call is None:
+            notes.append(f"{name}: {op} has no capturable stand-in here; runs its reference "
+                         "eagerly" + (f" ({refused})" if refused else ""))
+            continue
+        impls[op], sources[op] = call, call.source
+        notes.append(f"{name}: {op} runs {op}/{variant}, the library path, so the step can be "
+                     "captured; every other op its reference")
+    return KernelSet(name, OpTable(impls, sources), tuple(notes))
+
+
 def _registry_set(name: str, device: torch.device, registry: str | None) -> KernelSet:
     try:
         from model.registry import resolve_ops
@@ -57,8 +75,9 @@ def _registry_set(name: str, device: torch.device, registry: str | None) -> Kern
         raise TargetError(f"--kernels {name} needs the kernel registry ({e})") from None
     base = name.removesuffix("+compile")
     if base != "tuned" and not Path(base).is_file():
-        raise TargetError(f"--kernels: {name!r} is not reference, tuned, compile, tuned+compile "
-                          "or a lock file path (LOCK+compile compiles what it leaves)")
+        raise TargetError(f"--kernels: {name!r} is not reference, reference-graphs, tuned, "
+                          "compile, tuned+compile or a lock file path (LOCK+compile compiles "
+                          "what it leaves)")
     # A lock file given by path (the optimize loop's trial of a run's new set) may select
     # verified candidates: measuring them is the point; serving never loads them.
     table = resolve_ops(kernels=name, registry=registry, device=device, dtype=torch.bfloat16,
@@ -114,8 +133,8 @@ def _standin(op: str, device: torch.device, registry: str | None):
 
 
 BUILDERS: dict[str, Callable[[str, torch.device, str | None], KernelSet]] = {
-    "reference": _reference, "tuned": _registry_set, "compile": _compile,
-    "tuned+compile": _tuned_compile}
+    "reference": _reference, "reference-graphs": _reference_graphs, "tuned": _registry_set,
+    "compile": _compile, "tuned+compile": _tuned_compile}
 
 
 def kernel_set(name: str, device: torch.device, registry: str | Path | None = None) -> KernelSet:
