@@ -190,6 +190,12 @@ def test_cpu_reports_races_not_checked(tmp_path):
     rep = verify_variant("swiglu", src, budget=Budget(seeds=1, max_tokens=24), timeout_s=120)
     assert rep.verdict == "pass", rep.reasons
     assert rep.checks["races"]["racecheck"] == "not checked (no GPU)"
+    # Where the trials' time went, kind by kind: each part of the whole, all of it measured.
+    spent = rep.checks["judge_time_s"]
+    assert set(spent) == {"trials", "inputs", "reference", "near_misses", "transfers", "calls"}
+    parts = [spent[k] for k in spent if k != "trials"]
+    assert all(v >= 0 for v in parts) and spent["calls"] > 0 and spent["transfers"] > 0
+    assert spent["reference"] > 0 and sum(parts) <= spent["trials"] + 0.05
 
 
 FAKE_SANITIZER = '''#!/usr/bin/env bash

@@ -132,8 +132,13 @@ def _session(report: Any, c: Any, w: Worker, text: bytes, plan: ShapePlan, budge
     report.seeds = sorted({seed for _, seed, _ in specs})
     t0 = time.monotonic()
     burst = run_steps(j, specs, steps, budget, s)
-    log.info("%s: %d steps, %d calls in %.0f s", c.name, len(steps), j.calls,
-             time.monotonic() - t0)
+    took = time.monotonic() - t0
+    report.checks["judge_time_s"] = {"trials": round(took, 2),
+                                     **{k: round(v, 4) for k, v in j.spent.items()}}
+    log.info("%s: %d steps, %d calls in %.0f s (inputs %.0f s, reference %.0f s, near misses "
+             "%.0f s, transfers %.0f s, candidate calls %.0f s)", c.name, len(steps), j.calls,
+             took, *(j.spent[k] for k in ("inputs", "reference", "near_misses", "transfers",
+                                          "calls")))
     reasons = j.findings.reasons()
     if not j.per_shape and not reasons:
         reasons.append("no trial completed (no shapes given)")

@@ -12,7 +12,9 @@ that earlier outputs stay put after later calls. Findings keep the first message
 
 from __future__ import annotations
 
+import contextlib
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +43,7 @@ LAYOUTS = ("contiguous",) * 4 + ("elements", "row", "rows") + ("tail",) * 3
 # buffers sized for the largest batch, with a decode batch in their first rows: half the deck).
 # Any three deals hold the last class, so a run that deals three tails meets it.
 TAIL_SIZES = ("few", "several", "many", "many")
+SPENT = ("inputs", "reference", "near_misses", "transfers", "calls")
 TAIL_MAX_ELEMENTS = 1 << 24  # the "many" class's cap on the allocation's extra elements
 
 
@@ -163,6 +166,9 @@ class Judge:
         self.skipped: list[str] = []
         self.palette_set = palette_set  # dtype -> set of poison bit patterns
         self.calls = 0
+        # Seconds by kind of work (inputs drawn, reference, near misses, transfers to the worker,
+        # candidate calls with their outputs back): where a slow judge spends its time.
+        self.spent: dict[str, float] = dict.fromkeys(SPENT, 0.0)
         self.marathon: dict[str, Any] = {}  # what the run's marathon did (followups.marathon)
         self._ids = 0
         self._alt_case: Case | None = None  # the one case whose `alt` is kept
@@ -174,9 +180,10 @@ class Judge:
         """Inputs, reference and near misses; None where the contract defines no answer."""
         name = getattr(edge, "name", None)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._spend("inputs"):
                 args = (edge.inputs(self.c.make_inputs, seed, self.device) if edge else
                         self.with_outliers(self.c.make_inputs(dict(shape), seed, self.device)))
+            with torch.no_grad(), self._spend("reference"):
                 ref = as_tuple(self.c.reference(*fresh(args)))
         except Exception as e:  # noqa: BLE001 - the contract does not define this input
             self.skipped.append(f"{shape_key(shape, name)}: {type(e).__name__}: {e}")
@@ -184,7 +191,7 @@ class Judge:
         near: dict[str, tuple | str] = {}
         for nm, fn in near_misses_for(self.c, shape).items():
             try:
-                with torch.no_grad():
+                with torch.no_grad(), self._spend("near_misses"):
                     near[nm] = as_tuple(fn(*fresh(args)))
             except Exception as e:  # noqa: BLE001 - a near miss that cannot run here
                 near[nm] = f"{type(e).__name__}: {e}"
@@ -231,6 +238,20 @@ class Judge:
         with torch.no_grad():
             return as_tuple(self.c.reference(*fresh(args)))
 
+    @contextlib.contextmanager
+    def _spend(self, kind: str):
+        """Adds the block's seconds to `spent[kind]` (synchronised: GPU work is counted where it
+        was queued, not where the next sync waits for it)."""
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.startswith("cuda"):
+                torch.cuda.synchronize(self.device)
+            self.spent[kind] += time.perf_counter() - t0
+
     # ---- worker calls -------------------------------------------------------------------------
     def _next(self) -> int:
         self._ids += 1
@@ -249,6 +270,10 @@ class Judge:
         sets, of which only a sample is judged) draws one at random and leaves the deal to
         calls that are judged."""
         h = self._next()
+        with self._spend("transfers"):
+            return self._put(h, args, judged)
+
+    def _put(self, h: int, args: tuple, judged: bool) -> int:
         descs = self.w.pack(args)
         t = args[0].shape[self.c.token_dim] if isinstance(args[0], torch.Tensor) else -1
         layout = "contiguous" if self.rng is None else \
@@ -320,10 +345,11 @@ class Judge:
         expect = self.expect(ref)
         self.w.ensure(sum(wire.aligned(r.numel() * r.element_size()) for r in ref) + 4096)
         out_id = self._next()
-        reply = self._checked(self.w.request({
-            "cmd": "call", "handle": handle, "out": out_id, "expect": expect,
-            "region": {"off": 0, "cap": self.w.arena.size}, "order": order,
-            "order_seed": self._ids}))
+        with self._spend("calls"):
+            reply = self._checked(self.w.request({
+                "cmd": "call", "handle": handle, "out": out_id, "expect": expect,
+                "region": {"off": 0, "cap": self.w.arena.size}, "order": order,
+                "order_seed": self._ids}))
         self.calls += 1
         self.last_reply = reply
         if "raised" in reply:
