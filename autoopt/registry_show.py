@@ -88,7 +88,10 @@ def verification_lines(rec: Record) -> list[str]:
         for v in entries:
             r = v.report
             mine = "" if v.sha256 == rec.variant.sha256 else f" (of another file {v.sha256[:12]})"
-            out.append(f"- {v.verdict} on {v.device} with config {dict(v.config or {})}{mine}: "
+            per = r.get("configs")
+            how = (f"with a config per bucket {dict(per)}" if per else
+                   f"with config {dict(v.config or {})}")
+            out.append(f"- {v.verdict} on {v.device} {how}{mine}: "
                        f"seeds {list(r.get('seeds') or [])}, {len(r.get('shapes') or [])} shapes"
                        f", {(r.get('elapsed_s') or 0):.1f} s"
                        + "".join(f"\n  - reason: {x}" for x in v.reasons))

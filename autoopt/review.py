@@ -73,8 +73,8 @@ def same_code(reg: Registry, op: str, source: str, arch: str | None = None) -> s
 
 
 def _slim_report(r: Mapping[str, Any]) -> dict:
-    keep = ("verdict", "reasons", "device", "seeds", "shapes", "config", "checks", "env",
-            "elapsed_s", "sha256")
+    keep = ("verdict", "reasons", "device", "seeds", "shapes", "config", "configs", "checks",
+            "env", "elapsed_s", "sha256")
     return {k: r.get(k) for k in keep}
 
 

@@ -415,3 +415,72 @@ def run(x, config=None):
         err = start_candidate(w, b"DEFAULT_CONFIG = 7\n\ndef run(x, config=None):\n    return x\n",
                               "cpu", None, palettes, 1)
         assert err and "DEFAULT_CONFIG is not a mapping" in err
+
+
+# ---- a config per bucket, picked call by call as serving picks it ------------------------------
+_BUCKETS = {"T=1": {"TAG": 1}, "T=8": {"TAG": 8}, "T=64": {"TAG": 64}}
+
+
+def _tagged_variant(tmp_path, expected: str) -> Path:
+    """A correct swiglu that raises unless the config it gets is `expected(T)`'s."""
+    src = tmp_path / "tagged.py"
+    src.write_text(textwrap.dedent(f'''
+        import torch.nn.functional as F
+
+        DEFAULT_CONFIG = {{"TAG": 0}}
+
+
+        def run(gate, up, config=None):
+            t = gate.shape[0]
+            want = {expected}
+            if config != {{"TAG": want}}:
+                raise ValueError(f"T={{t}} got {{config}}, wanted TAG {{want}}")
+            config["TAG"] = -1  # a variant that edits its config changes no later call
+            return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+    '''))
+    return src
+
+
+def test_a_config_per_bucket_is_picked_per_call_by_the_registrys_rule(tmp_path):
+    from autoopt.eval.plan import Budget
+    from autoopt.eval.run import PerBucket
+
+    per = PerBucket.of("swiglu", _BUCKETS)
+    assert per is not None and per.table[0] == (1, {"TAG": 1})
+    # The nearest bucket in log2, the smaller on a tie: 1-2 -> 1, 3-22 -> 8, 23+ -> 64.
+    rule = "1 if t <= 2 else 8 if t <= 22 else 64"
+    rep = verify_variant("swiglu", _tagged_variant(tmp_path, rule), config=per,
+                         budget=Budget(seeds=1, max_tokens=40), timeout_s=120)
+    assert rep.verdict == "pass", rep.reasons
+    assert rep.config is None and rep.configs == _BUCKETS
+    assert {s["T"] for s in rep.shapes} & {1, 8} and max(s["T"] for s in rep.shapes) > 22
+    wrong = "8 if t <= 2 else 1"  # a candidate that expected another mapping fails loudly
+    rep = verify_variant("swiglu", _tagged_variant(tmp_path, wrong), config=per,
+                         budget=Budget(seeds=1, max_tokens=40), timeout_s=120)
+    assert rep.verdict == "reject" and any("wanted TAG" in r for r in rep.reasons)
+
+
+def test_a_bucket_without_a_config_gets_the_default_and_one_config_is_no_table(tmp_path):
+    from autoopt.eval.plan import Budget
+    from autoopt.eval.run import PerBucket
+
+    assert PerBucket.of("swiglu", {"T=1": {"A": 1}, "T=8": {"A": 1}}) is None
+    assert PerBucket.of("swiglu", {}) is None
+    per = PerBucket.of("swiglu", {"T=1": None, "T=16": {"TAG": 16}})
+    rule = "0 if t <= 4 else 16"  # T = 1's bucket has none: DEFAULT_CONFIG; 4 ties to 1
+    rep = verify_variant("swiglu", _tagged_variant(tmp_path, rule), config=per,
+                         budget=Budget(seeds=1, max_tokens=24), timeout_s=120)
+    assert rep.verdict == "pass", rep.reasons
+
+
+def test_the_workers_bucket_rule_is_the_registrys():
+    from autoopt.eval.worker import nearest_bucket
+    from model.registry.configs import ConfigTable
+
+    buckets = (1, 2, 4, 8, 16, 32, 48, 64)
+    table = ConfigTable.from_json({"NVIDIA H200": {"H=5120": {f"T={b}": {"B": b}
+                                                             for b in buckets}}})
+    rows = [(b, {"B": b}) for b in buckets]
+    for t in range(0, 5000):
+        got = table.lookup("NVIDIA H200", (("H", 5120),), t)
+        assert nearest_bucket(rows, t) == dict(got), t

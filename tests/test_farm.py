@@ -272,3 +272,32 @@ def test_a_verification_the_deadline_cuts_short_is_unjudged_not_rejected(monkeyp
                         fake_verify(["mismatch at T=1: 3 of 64 outputs"], sleep=False))
     res = job(budget_s=0.5, timeout_s=300).run("cpu")
     assert "unjudged" not in res and "mismatch" in res["reasons"][0]
+
+
+def test_a_proposal_with_a_config_per_bucket_is_verified_once_as_served(monkeypatch):
+    # On an H200 a template's three bucket configs took three whole verifications (~50 s each):
+    # one verification now gives every call the config serving would give it.
+    from types import SimpleNamespace
+
+    import autoopt.eval.verify as verify
+    from autoopt.eval.run import PerBucket
+
+    seen = []
+
+    def fake(op, path, *, config, **kw):
+        seen.append(config)
+        return SimpleNamespace(passed=True, reasons=[], to_dict=lambda: {"verdict": "pass"})
+
+    monkeypatch.setattr(verify, "verify_variant", fake)
+    a, b = {"ROWS": 1}, {"ROWS": 4}
+    job = EvalJob(op="swiglu", name="a01_tiles", source="", timed=False, configs=(a, b),
+                  per_bucket={"T=1": a, "T=8": b, "T=64": b})
+    res = job.run("cpu")
+    assert res["reasons"] == [] and len(seen) == 1 and isinstance(seen[0], PerBucket)
+    assert seen[0].describe() == {"T=1": a, "T=8": b, "T=64": b}
+    # A config the buckets do not cover (or an op without a token axis) keeps one each.
+    seen.clear()
+    job = EvalJob(op="swiglu", name="a01_tiles", source="", timed=False,
+                  configs=(a, b, {"ROWS": 9}), per_bucket={"T=1": a, "T=8": b})
+    job.run("cpu")
+    assert seen == [a, b, {"ROWS": 9}]

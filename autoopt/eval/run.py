@@ -7,9 +7,12 @@ split-K reductions) and the flags are restored after.
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets as _secrets
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,15 +31,48 @@ log = logging.getLogger("autoopt.eval")  # one line per phase: where a slow veri
 POISON_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.int32)
 
 
-def start_candidate(w: Worker, text: bytes, device: str, config: dict | None,
+@dataclass(frozen=True)
+class PerBucket:
+    """A config per token bucket ("T=8" -> config; None: the variant's DEFAULT_CONFIG), which
+    the worker picks call by call as serving does: the registry's nearest-bucket rule on the
+    call's token count. One verification then judges every config on the calls that would get
+    it (the buckets' own shapes, the drawn and edge shapes nearest them), instead of one whole
+    verification per distinct config. It also applies at widths a target does not serve, where
+    serving would fall back to the default: stricter, never looser."""
+    table: tuple[tuple[int, dict | None], ...]
+    token_at: tuple[int, int]  # (argument index, axis) of the call's token count
+
+    @classmethod
+    def of(cls, op: str, per_bucket: Mapping[str, Mapping | None]) -> PerBucket | None:
+        """None where one config (or none) covers every bucket, or the op has no token axis."""
+        from model.registry.configs import call_axes
+
+        _, token_at = call_axes(op)
+        configs = {json.dumps(dict(c) if c is not None else None, sort_keys=True)
+                   for c in per_bucket.values()}
+        if token_at is None or len(configs) < 2:
+            return None
+        table = tuple(sorted((int(str(b).removeprefix("T=")), dict(c) if c is not None else None)
+                             for b, c in per_bucket.items()))
+        return cls(table, token_at)
+
+    def describe(self) -> dict[str, dict | None]:
+        return {f"T={b}": c for b, c in self.table}
+
+
+
+def start_candidate(w: Worker, text: bytes, device: str, config: dict | PerBucket | None,
                     palettes: dict[torch.dtype, torch.Tensor], seed: int) -> str | None:
     """Load the screened bytes (a private copy) in the worker; the import error, if any."""
     from .verify import preloads, worker_imports
 
     path = w.tmp / f"variant_{_secrets.token_hex(6)}.py"
     path.write_bytes(text)
+    chosen = {"config": None, "configs": [list(e) for e in config.table],
+              "token_at": list(config.token_at)} if isinstance(config, PerBucket) else \
+        {"config": config}
     reply = w.request({"cmd": "load", "device": device, "path": str(path),
-                       "module": f"_variant_{_secrets.token_hex(6)}", "config": config,
+                       "module": f"_variant_{_secrets.token_hex(6)}", **chosen,
                        "preload": preloads(text.decode("utf-8", "replace")),
                        "repo_root": str(REPO_ROOT), "imports": worker_imports(),
                        "rng_seed": _secrets.randbits(62)})

@@ -41,6 +41,7 @@ class VerifyReport:
     seeds: list[int] = field(default_factory=list)
     shapes: list[dict] = field(default_factory=list)
     config: dict | None = None
+    configs: dict | None = None  # a config per bucket, picked call by call (run.PerBucket)
     elapsed_s: float = 0.0
     env: dict[str, Any] = field(default_factory=dict)
     secret: str = ""  # stated after the run, to reproduce it (`secret=`)
@@ -58,10 +59,13 @@ class VerifyReport:
 
 def verify_variant(op: str, source: Path, *, device: str = "cpu",
                    seeds: Sequence[int] | int | None = None, shapes: list[dict] | None = None,
-                   config: dict | None = None, timeout_s: float = 300, time_check: bool = True,
+                   config: Any = None, timeout_s: float = 300, time_check: bool = True,
                    target: Any = None, budget: Any = None, secret: bytes | str | None = None,
                    racecheck: bool | None = None, memcheck: bool = False) -> VerifyReport:
     """Verify the variant file `source` for `op`; never raises for the candidate's faults.
+
+    `config`: one config for every call (None: the variant's DEFAULT_CONFIG), or a
+    `run.PerBucket` table whose configs the worker picks per call by token count, as serving.
 
     `seeds` gives how many seeds each bucket shape gets (a count, or a sequence whose length
     counts); the seeds themselves are drawn from this run's secret. `shapes` replaces the
@@ -85,8 +89,12 @@ def verify_variant(op: str, source: Path, *, device: str = "cpu",
     if seeds is not None:
         n = seeds if isinstance(seeds, int) else len(seeds)
         budget = Budget(**{**asdict(budget), "seeds": max(1, n)})
+    from .run import PerBucket
+
+    per = config if isinstance(config, PerBucket) else None
     report = VerifyReport(op=op, source=str(source), sha256=sha256_file(source), device=device,
-                          verdict="reject", reasons=[], config=config)
+                          verdict="reject", reasons=[], config=None if per else config,
+                          configs=per.describe() if per else None)
     start = time.monotonic()
     screen = static_screen(text.decode("utf-8", "replace"), str(source))
     report.checks["static_screen"] = {"passed": not screen, "reasons": screen,

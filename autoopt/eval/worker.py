@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import os
 import random
 import select
@@ -45,6 +46,10 @@ class _State:
         self.arena: wire.Arena | None = None
         self.run: Any = None
         self.config: dict | None = None
+        # A config per token bucket, chosen call by call (the registry's nearest-bucket rule on
+        # the call's token count, read at `token_at` = (argument, axis)); None: `config` always.
+        self.configs: list[tuple[int, dict | None]] | None = None
+        self.token_at: tuple[int, int] | None = None
         self.held: dict[int, list] = {}
         self.outs: dict[int, tuple] = {}
         self.palette: dict[str, torch.Tensor] = {}
@@ -142,6 +147,9 @@ def _load(state: _State, msg: dict, fds: list) -> dict:
     """Preload the candidate's imports, arm the sandbox, then import the candidate."""
     state.device = msg["device"]
     state.config = msg.get("config")
+    if msg.get("configs") and msg.get("token_at"):
+        state.configs = [(int(b), dict(c) if c is not None else None) for b, c in msg["configs"]]
+        state.token_at = (int(msg["token_at"][0]), int(msg["token_at"][1]))
     for name in msg.get("preload", []):
         try:
             importlib.import_module(name)
@@ -181,10 +189,25 @@ def _load(state: _State, msg: dict, fds: list) -> dict:
     return {"config": _text(repr(state.config))}
 
 
-def call_config(state: _State) -> dict | None:
+def call_config(state: _State, args: Any = ()) -> dict | None:
     """The config for one call: a fresh copy each time, as serving passes (a variant that
-    edits its config cannot carry state to the next call through it)."""
-    return dict(state.config) if state.config is not None else None
+    edits its config cannot carry state to the next call through it). With a config per bucket,
+    the one serving would pick for the call's token count; a bucket without one (or a call
+    without a token count) gets the variant's default, as serving's does."""
+    cfg = state.config
+    if state.configs:
+        i, axis = state.token_at
+        a = args[i] if i < len(args) else None
+        if _type(a) is _is_tensor and a.dim() > axis:
+            cfg = nearest_bucket(state.configs, int(a.shape[axis])) or state.config
+    return dict(cfg) if cfg is not None else None
+
+
+def nearest_bucket(table: list[tuple[int, dict | None]], tokens: int) -> dict | None:
+    """The config of the bucket nearest `tokens` in log2, the smaller on a tie: the rule of
+    model/registry/configs.py `ConfigTable.lookup` (the worker imports no registry code)."""
+    t = math.log2(max(tokens, 1))
+    return min(table, key=lambda e: (abs(math.log2(max(e[0], 1)) - t), e[0]))[1]
 
 
 def _permutable_grid(order: dict) -> None:
@@ -370,7 +393,7 @@ def _call(state: _State, msg: dict, fds: list) -> dict:
     t0 = _perf()
     try:
         with torch.no_grad():
-            outs = _as_tuple(state.run(*args, config=call_config(state)))
+            outs = _as_tuple(state.run(*args, config=call_config(state, args)))
     except Exception as e:  # noqa: BLE001 - the candidate's exception is a verdict
         return {"raised": _text(f"{_type(e).__name__}: {e}")}
     finally:

@@ -42,7 +42,7 @@ def setup(state: _State, msg: dict, fds: list) -> dict:
         with torch.no_grad():
             for _ in range(warmup):
                 for k, args in enumerate(sets):
-                    b["outs"][k] = _as_tuple(state.run(*args, config=call_config(state)))
+                    b["outs"][k] = _as_tuple(state.run(*args, config=call_config(state, args)))
             if cuda and msg.get("graph", True):
                 _capture(state, b)
     except Exception as e:  # noqa: BLE001 - the candidate's exception is a verdict
@@ -58,7 +58,7 @@ def _capture(state: _State, b: dict) -> None:
     side.wait_stream(_current_stream())
     with _use_stream(side):  # warm up on a capture-like stream (allocator, lazy init)
         for args in sets:
-            run(*args, config=call_config(state))
+            run(*args, config=call_config(state, args))
     _current_stream().wait_stream(side)
     _synchronize()
     graph = _CUDAGraph()
@@ -67,7 +67,7 @@ def _capture(state: _State, b: dict) -> None:
         with _graph(graph):
             for r in range(b["reps"]):
                 for k, args in enumerate(sets):
-                    o = _as_tuple(run(*args, config=call_config(state)))
+                    o = _as_tuple(run(*args, config=call_config(state, args)))
                     if r == b["reps"] - 1:
                         outs[k] = o
     except Exception as e:  # noqa: BLE001 - timed eagerly instead, and said so
@@ -131,7 +131,7 @@ def _run_cuda(state: _State, b: dict, n: int) -> list[float]:
             b["graph"].replay()
         else:
             for k, args in enumerate(b["sets"]):
-                b["outs"][k] = _as_tuple(state.run(*args, config=call_config(state)))
+                b["outs"][k] = _as_tuple(state.run(*args, config=call_config(state, args)))
         end.record()
         pairs.append((start, end))
     _synchronize()
@@ -143,7 +143,7 @@ def _run_cpu(state: _State, b: dict, n: int) -> list[float]:
     for _ in range(n):
         t0 = _perf()
         for k, args in enumerate(b["sets"]):
-            b["outs"][k] = _as_tuple(state.run(*args, config=call_config(state)))
+            b["outs"][k] = _as_tuple(state.run(*args, config=call_config(state, args)))
         samples.append(_perf() - t0)
     return samples
 
@@ -173,7 +173,8 @@ def marathon(state: _State, msg: dict, fds: list) -> dict:
     try:
         with torch.no_grad():
             while done < n:
-                _as_tuple(state.run(*sets[done % len(sets)], config=call_config(state)))
+                _as_tuple(state.run(*sets[done % len(sets)],
+                                    config=call_config(state, sets[done % len(sets)])))
                 done += 1
                 if cuda and done % 64 == 0:
                     _synchronize()  # the clock then counts finished calls, not queued ones
