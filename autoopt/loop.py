@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import re
+import statistics
 import threading
 import time
 from collections.abc import Mapping
@@ -387,6 +388,42 @@ def op_deadline(now: float, end: float, remaining: int, min_op_s: float,
     return min(end, now + max((end - now) / rounds, min_op_s))
 
 
+JUDGE_MARGIN = 1.25  # an op's last verification time, times this, plus its timing
+TIMING_S = 20.0  # the candidate's and the baseline's timings at the target's buckets
+
+
+def judge_seconds(registry: Any, op: str, arch: str | None) -> float | None:
+    """The median verification time (seconds) of the variants of `op` recorded on `arch`: what
+    one candidate's is likely to take on this machine (variants differ: on an H200 the QKV
+    projection's took 58-176 s); None: none recorded."""
+    if not arch:
+        return None
+    times = []
+    for name in registry.variants(op):
+        try:
+            rec = registry.read_record(op, name)
+        except Exception:  # noqa: BLE001 - an unreadable record estimates nothing
+            continue
+        for v in (rec.verification.get(arch, ()) if rec else ()):
+            t = (v.report or {}).get("elapsed_s")
+            if isinstance(t, int | float) and t > 0:
+                times.append(float(t))
+    return statistics.median(times) if times else None
+
+
+def fit_deadline(need_s: float | None, now: float, deadline: float, end: float
+                 ) -> tuple[float | None, str]:
+    """(the op's deadline, why it is not started): an op whose one evaluation needs more than
+    its share gets what it needs from the rest of the sessions' time if that is left, and is
+    not started otherwise (it would only be cut off: its verification unjudged)."""
+    if need_s is None or deadline - now >= need_s:
+        return deadline, ""
+    if end - now >= need_s:
+        return now + need_s, ""
+    return None, (f"one evaluation needs ~{need_s:.0f} s here (its last recorded verification "
+                  f"on this arch, with timing) and {max(0.0, end - now):.0f} s were left")
+
+
 def _sessions(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState,
               console: Console, end: float, minimums: tuple[float, float] = (0.0, 0.0),
               clock: Any = time.monotonic) -> None:
@@ -417,10 +454,16 @@ def _sessions(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState,
                     now = clock()
                     deadline = op_deadline(now, end, left[0], *minimums, slots=slots)
                     left[0] -= 1
+                    why = ""
+                    if deadline is not None and ctx.meaningful:
+                        judged = judge_seconds(ctx.registry, op, ctx.arch)
+                        need = judged * JUDGE_MARGIN + TIMING_S if judged else None
+                        deadline, why = fit_deadline(need, now, deadline, end)
                 if deadline is None:
-                    state.update_op(op, status="not started", note="the budget was spent")
+                    why = why or "the budget was spent"
+                    state.update_op(op, status="not started", note=why)
                     say(f"{op}: not started, {max(0.0, end - now):.0f} s left of the sessions' "
-                        "time")
+                        f"time" + (f": {why}" if why != "the budget was spent" else ""))
                     continue
                 try:
                     _one_op(args, agent, ctx, state, op, deadline, console, end, farm, ledger)

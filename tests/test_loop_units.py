@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -328,3 +329,22 @@ def test_an_evaluation_is_bounded_by_the_ops_deadline_as_a_whole(tmp_path, monke
     ev.evaluate(_proposal())
     job = ev.farm.jobs[-1]
     assert job.budget_s <= 10.0 and job.timeout_s <= 10.0
+
+
+def test_an_op_whose_evaluation_cannot_fit_is_not_started_and_one_that_can_gets_its_time():
+    # On an H200 a MoE template's verification (~150-230 s there) was cut off by its op's 116 s
+    # and recorded as a hang. The loop now estimates one evaluation from the op's recorded
+    # verifications on this arch and starts the op only where that fits.
+    from autoopt.loop import fit_deadline, judge_seconds
+    from model.registry import Registry
+
+    assert fit_deadline(None, 0.0, 120.0, 300.0) == (120.0, "")  # nothing recorded: as before
+    assert fit_deadline(100.0, 0.0, 120.0, 300.0) == (120.0, "")  # it fits its share
+    assert fit_deadline(200.0, 0.0, 120.0, 300.0) == (200.0, "")  # taken from the rest
+    deadline, why = fit_deadline(250.0, 100.0, 220.0, 300.0)  # 200 s left: not started
+    assert deadline is None and "needs ~250 s" in why and "200 s were left" in why
+    reg = Registry(Path(__file__).resolve().parents[1] / "kernels")
+    moe = judge_seconds(reg, "moe_experts", "sm_90")
+    assert moe is not None and moe > 120  # the shipped records' H200 verifications
+    assert judge_seconds(reg, "moe_experts", "sm_100") is None
+    assert judge_seconds(reg, "moe_experts", None) is None
