@@ -1,4 +1,4 @@
-"""The agents' GPU evidence on one H200, in one go (about 4 minutes):
+"""The agents' GPU evidence on one H200, in one go (about 8 minutes: stage limit 500 s):
 
 1. `profile_candidate` on a real candidate (the router template, rendered as the template agent
    proposes it) at h200-tp8-decode's router shapes: the ProfileJob the Claude agent's tool sends,
@@ -34,7 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-TOTAL_S = 235.0  # the whole script
+# The whole script: the profile part takes ~25 s; the MoE's template candidate needs ~3-4 minutes
+# to be judged at this target (the loop does not start an op whose evaluation cannot fit).
+TOTAL_S = 480.0
 LAUNCHES = 16
 EXACT = ("registers", "smem_per_block", "block", "grid")
 CLOSE = {"dram_bytes": 0.05, "duration_us": 0.25}  # relative
@@ -199,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--dry-run", action="store_true", help="the CPU path (cpu-tiny, no ncu)")
+    ap.add_argument("--total-s", type=float, default=TOTAL_S,
+                    help="the whole script's seconds (the optimize part gets what is left)")
     a = ap.parse_args(argv)
     start = time.monotonic()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -213,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.dry_run:
         env.enable_triton_interpreter()
     prof = profile_part(a.out, a.dry_run)
-    left = max(150.0, TOTAL_S - (time.monotonic() - start))
+    left = max(150.0, a.total_s - (time.monotonic() - start))
     opt = optimize_part(a.out, a.dry_run, left)
     summary = {"profile": {k: v for k, v in prof.items() if k != "comparison"},
                "profile_passed": prof["passed"], "optimize": opt,
