@@ -192,12 +192,17 @@ def verify(
     memcheck: bool = typer.Option(False, "--memcheck", help="On a GPU, also run a Triton or "
                                   "CuTe variant under compute-sanitizer's memcheck (accesses "
                                   "out of bounds), torch's caching allocator off."),
+    config: str = typer.Option(None, "--config", help="JSON config for every call, e.g. "
+                               "'{\"BLOCK_N\": 64}' (default: the variant's DEFAULT_CONFIG)."),
+    configs: str = typer.Option(None, "--configs", help="JSON config per token bucket, e.g. "
+                                "'{\"T=1\": {...}, \"T=8\": {...}}': each call gets its "
+                                "nearest bucket's, as serving picks (a verdict's `configs`)."),
 ) -> None:
     """Verify a kernel variant against its op's reference (exit 0 verified, 1 rejected)."""
     from .eval.commands import VerifyArgs, verify_command
 
     args = VerifyArgs(op, variant, source, registry, device, seeds, tokens, timeout, json_out,
-                      target, secret, memcheck)
+                      target, secret, memcheck, config, configs)
     try:
         code = verify_command(args, console)
     except (ValueError, FileNotFoundError) as exc:

@@ -484,3 +484,34 @@ def test_the_workers_bucket_rule_is_the_registrys():
     for t in range(0, 5000):
         got = table.lookup("NVIDIA H200", (("H", 5120),), t)
         assert nearest_bucket(rows, t) == dict(got), t
+
+
+def test_verify_takes_a_config_or_a_config_per_bucket_from_the_command_line(tmp_path):
+    # A verdict of the loop's names its configs; `autoopt verify` reproduces it with them.
+    from typer.testing import CliRunner
+
+    from autoopt.cli import app
+    from autoopt.eval.commands import parse_config
+    from autoopt.eval.run import PerBucket
+
+    assert parse_config("swiglu", None, None) is None
+    assert parse_config("swiglu", '{"BLOCK": 64}', None) == {"BLOCK": 64}
+    per = parse_config("swiglu", None, '{"T=1": {"A": 1}, "T=8": {"A": 2}}')
+    assert isinstance(per, PerBucket) and per.describe() == {"T=1": {"A": 1}, "T=8": {"A": 2}}
+    assert parse_config("swiglu", None, '{"T=1": {"A": 1}, "T=8": {"A": 1}}') == {"A": 1}
+    for config, configs, why in [('{"A": 1}', '{"T=1": {}}', "either --config"),
+                                 ("[1]", None, "JSON object"), ("{oops", None, "must be JSON"),
+                                 (None, '{"8": {"A": 1}}', "bad keys"),
+                                 (None, '{"T=1": 3}', "bad keys"), (None, "{}", "none given")]:
+        with pytest.raises(ValueError, match=why):
+            parse_config("swiglu", config, configs)
+    src = _tagged_variant(tmp_path, "1 if t <= 2 else 8 if t <= 22 else 64")
+    runner = CliRunner()
+    args = ["verify", "--op", "swiglu", "--source", str(src), "--device", "cpu", "--seeds", "0"]
+    ok = runner.invoke(app, [*args, "--configs", '{"T=1": {"TAG": 1}, "T=8": {"TAG": 8}, '
+                                                '"T=64": {"TAG": 64}}'])
+    assert ok.exit_code == 0, ok.output
+    one = runner.invoke(app, [*args, "--config", '{"TAG": 1}'])
+    assert one.exit_code == 1 and "wanted" in one.output
+    bad = runner.invoke(app, [*args, "--configs", '{"T=1": 3}'])
+    assert bad.exit_code == 2

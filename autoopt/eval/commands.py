@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -24,6 +26,38 @@ class VerifyArgs:
     target: str | None = None
     secret: str | None = None
     memcheck: bool = False
+    config: str | None = None  # JSON: one config for every call
+    configs: str | None = None  # JSON: {"T=1": {...}, "T=8": {...}}, picked per call
+
+
+def parse_config(op: str, config: str | None, configs: str | None) -> Any:
+    """--config JSON (one config), or --configs JSON (one per token bucket, "T=<n>" keys, each
+    call given its nearest bucket's as serving does); None: the variant's DEFAULT_CONFIG."""
+    from .run import PerBucket
+
+    if config and configs:
+        raise ValueError("give either --config (one for every call) or --configs (per bucket)")
+    text = config or configs
+    if not text:
+        return None
+    flag = "--config" if config else "--configs"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} must be JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, not {type(value).__name__}")
+    if config:
+        return value
+    bad = [k for k, v in value.items()
+           if not re.fullmatch(r"T=\d+", str(k)) or not (v is None or isinstance(v, dict))]
+    if bad or not value:
+        raise ValueError('--configs maps buckets to configs, e.g. {"T=1": {"BLOCK_N": 16}, '
+                         f'"T=8": {{"BLOCK_N": 64}}}}; bad keys: {bad or "none given"}')
+    per = PerBucket.of(op, value)
+    if per is None:  # one distinct config: the same as --config
+        return next(iter(value.values()))
+    return per
 
 
 @dataclass(frozen=True)
@@ -101,9 +135,10 @@ def verify_command(args: VerifyArgs, console: Console) -> int:
         except ValueError:
             raise ValueError(f"--secret must be the hex string a report states, not "
                              f"{args.secret!r}") from None
+    config = parse_config(args.op, args.config, args.configs)
     report = verify_variant(args.op, source, device=device, seeds=len(seeds), shapes=shapes,
-                            timeout_s=args.timeout, target=args.target, secret=args.secret,
-                            memcheck=args.memcheck)
+                            config=config, timeout_s=args.timeout, target=args.target,
+                            secret=args.secret, memcheck=args.memcheck)
     if args.json:
         print(report.to_json())
     else:
