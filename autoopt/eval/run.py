@@ -60,7 +60,6 @@ class PerBucket:
         return {f"T={b}": c for b, c in self.table}
 
 
-
 def start_candidate(w: Worker, text: bytes, device: str, config: dict | PerBucket | None,
                     palettes: dict[torch.dtype, torch.Tensor], seed: int) -> str | None:
     """Load the screened bytes (a private copy) in the worker; the import error, if any."""
