@@ -453,7 +453,6 @@ def test_a_config_per_bucket_is_picked_per_call_by_the_registrys_rule(tmp_path):
                          budget=Budget(seeds=1, max_tokens=40), timeout_s=120)
     assert rep.verdict == "pass", rep.reasons
     assert rep.config is None and rep.configs == _BUCKETS
-    assert {s["T"] for s in rep.shapes} & {1, 8} and max(s["T"] for s in rep.shapes) > 22
     wrong = "8 if t <= 2 else 1"  # a candidate that expected another mapping fails loudly
     rep = verify_variant("swiglu", _tagged_variant(tmp_path, wrong), config=per,
                          budget=Budget(seeds=1, max_tokens=40), timeout_s=120)
@@ -471,6 +470,29 @@ def test_a_bucket_without_a_config_gets_the_default_and_one_config_is_no_table(t
     rep = verify_variant("swiglu", _tagged_variant(tmp_path, rule), config=per,
                          budget=Budget(seeds=1, max_tokens=24), timeout_s=120)
     assert rep.verdict == "pass", rep.reasons
+
+
+def test_a_call_at_widths_the_configs_were_not_tuned_for_gets_the_default(tmp_path):
+    # As serving's lookup: tuned configs at the target's widths, DEFAULT_CONFIG elsewhere (and
+    # on a GPU of the arch with no tuned configs), so the default is judged too.
+    from autoopt.eval.plan import Budget
+    from autoopt.eval.run import PerBucket
+    from autoopt.eval.shapes import default_shapes
+
+    served = default_shapes("swiglu", "cpu")
+    widths = sorted({s["I"] for s in served})
+    per = PerBucket.of("swiglu", _BUCKETS, served)
+    assert per.dims_at == ((0, 1),) and per.served == tuple((w,) for w in widths)
+    rule = (f"(1 if t <= 2 else 8 if t <= 22 else 64) if gate.shape[1] in {widths} else 0")
+    rep = verify_variant("swiglu", _tagged_variant(tmp_path, rule), config=per,
+                         budget=Budget(seeds=1, max_tokens=40), timeout_s=120)
+    assert rep.verdict == "pass", rep.reasons
+    drawn = [s for s in rep.shapes if s["I"] not in widths]
+    assert drawn, "the CPU plan draws cases at other widths"
+    everywhere = "1 if t <= 2 else 8 if t <= 22 else 64"  # the table at every width: wrong here
+    rep = verify_variant("swiglu", _tagged_variant(tmp_path, everywhere), config=per,
+                         budget=Budget(seeds=1, max_tokens=40), timeout_s=120)
+    assert rep.verdict == "reject" and any("wanted TAG" in r for r in rep.reasons)
 
 
 def test_the_workers_bucket_rule_is_the_registrys():

@@ -11,7 +11,7 @@ import json
 import logging
 import secrets as _secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,24 +37,34 @@ class PerBucket:
     the worker picks call by call as serving does: the registry's nearest-bucket rule on the
     call's token count. One verification then judges every config on the calls that would get
     it (the buckets' own shapes, the drawn and edge shapes nearest them), instead of one whole
-    verification per distinct config. It also applies at widths a target does not serve, where
-    serving would fall back to the default: stricter, never looser."""
+    verification per distinct config. With `served` (the fixed dims' sizes the configs were
+    tuned at), a call at other sizes gets the variant's DEFAULT_CONFIG, as serving's lookup
+    gives it there (and on a GPU of the arch with no tuned configs): the default is judged too,
+    on the cases at widths nobody chose. Without it the table applies at every width."""
     table: tuple[tuple[int, dict | None], ...]
     token_at: tuple[int, int]  # (argument index, axis) of the call's token count
+    dims_at: tuple[tuple[int, int], ...] = ()  # (argument index, axis) of each fixed dim
+    served: tuple[tuple[int, ...], ...] = ()  # their sizes where the table applies; (): anywhere
 
     @classmethod
-    def of(cls, op: str, per_bucket: Mapping[str, Mapping | None]) -> PerBucket | None:
-        """None where one config (or none) covers every bucket, or the op has no token axis."""
+    def of(cls, op: str, per_bucket: Mapping[str, Mapping | None],
+           served_shapes: Sequence[Mapping[str, int]] = ()) -> PerBucket | None:
+        """None where one config (or none) covers every bucket, or the op has no token axis.
+        `served_shapes`: shapes at the widths the configs are for (the target's buckets)."""
         from model.registry.configs import call_axes
 
-        _, token_at = call_axes(op)
+        fixed, token_at = call_axes(op)
         configs = {json.dumps(dict(c) if c is not None else None, sort_keys=True)
                    for c in per_bucket.values()}
         if token_at is None or len(configs) < 2:
             return None
         table = tuple(sorted((int(str(b).removeprefix("T=")), dict(c) if c is not None else None)
                              for b, c in per_bucket.items()))
-        return cls(table, token_at)
+        names = [name for _, _, name in fixed]
+        served = tuple(sorted({tuple(int(s[n]) for n in names) for s in served_shapes
+                               if all(n in s for n in names)}))
+        return cls(table, token_at, tuple((i, axis) for i, axis, _ in fixed) if served else (),
+                   served)
 
     def describe(self) -> dict[str, dict | None]:
         return {f"T={b}": c for b, c in self.table}
@@ -68,8 +78,9 @@ def start_candidate(w: Worker, text: bytes, device: str, config: dict | PerBucke
     path = w.tmp / f"variant_{_secrets.token_hex(6)}.py"
     path.write_bytes(text)
     chosen = {"config": None, "configs": [list(e) for e in config.table],
-              "token_at": list(config.token_at)} if isinstance(config, PerBucket) else \
-        {"config": config}
+              "token_at": list(config.token_at), "dims_at": [list(d) for d in config.dims_at],
+              "served": [list(d) for d in config.served]} if isinstance(config, PerBucket) \
+        else {"config": config}
     reply = w.request({"cmd": "load", "device": device, "path": str(path),
                        "module": f"_variant_{_secrets.token_hex(6)}", **chosen,
                        "preload": preloads(text.decode("utf-8", "replace")),

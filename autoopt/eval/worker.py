@@ -50,6 +50,10 @@ class _State:
         # the call's token count, read at `token_at` = (argument, axis)); None: `config` always.
         self.configs: list[tuple[int, dict | None]] | None = None
         self.token_at: tuple[int, int] | None = None
+        # With `served`, the table applies only where the fixed dims at `dims_at` have one of
+        # those sizes; elsewhere `config` (the default), as serving's lookup.
+        self.dims_at: list[tuple[int, int]] = []
+        self.served: set[tuple[int, ...]] = set()
         self.held: dict[int, list] = {}
         self.outs: dict[int, tuple] = {}
         self.palette: dict[str, torch.Tensor] = {}
@@ -150,6 +154,8 @@ def _load(state: _State, msg: dict, fds: list) -> dict:
     if msg.get("configs") and msg.get("token_at"):
         state.configs = [(int(b), dict(c) if c is not None else None) for b, c in msg["configs"]]
         state.token_at = (int(msg["token_at"][0]), int(msg["token_at"][1]))
+        state.dims_at = [(int(i), int(a)) for i, a in msg.get("dims_at") or []]
+        state.served = {tuple(int(x) for x in d) for d in msg.get("served") or []}
     for name in msg.get("preload", []):
         try:
             importlib.import_module(name)
@@ -195,12 +201,22 @@ def call_config(state: _State, args: Any = ()) -> dict | None:
     the one serving would pick for the call's token count; a bucket without one (or a call
     without a token count) gets the variant's default, as serving's does."""
     cfg = state.config
-    if state.configs:
-        i, axis = state.token_at
-        a = args[i] if i < len(args) else None
-        if _type(a) is _is_tensor and a.dim() > axis:
-            cfg = nearest_bucket(state.configs, int(a.shape[axis])) or state.config
+    if state.configs and (not state.served or _sizes(args, state.dims_at) in state.served):
+        tokens = _sizes(args, [state.token_at])
+        if tokens is not None:
+            cfg = nearest_bucket(state.configs, tokens[0]) or state.config
     return dict(cfg) if cfg is not None else None
+
+
+def _sizes(args: Any, where: list[tuple[int, int]]) -> tuple[int, ...] | None:
+    """The sizes of `args[i].shape[axis]` for each (i, axis); None where one is not a tensor's."""
+    out = []
+    for i, axis in where:
+        a = args[i] if i < len(args) else None
+        if not (_type(a) is _is_tensor and a.dim() > axis):
+            return None
+        out.append(int(a.shape[axis]))
+    return tuple(out)
 
 
 def nearest_bucket(table: list[tuple[int, dict | None]], tokens: int) -> dict | None:
