@@ -295,6 +295,16 @@ def test_a_proposal_with_a_config_per_bucket_is_verified_once_as_served(monkeypa
     res = job.run("cpu")
     assert res["reasons"] == [] and len(seen) == 1 and isinstance(seen[0], PerBucket)
     assert seen[0].describe() == {"T=1": a, "T=8": b, "T=64": b}
+    # One tuned config for every bucket: still the table at the target's widths (from the
+    # bench shapes), so the default is judged at the others; no config at all: the plain path.
+    seen.clear()
+    shapes = ({"T": 1, "I": 320}, {"T": 8, "I": 320})
+    EvalJob(op="swiglu", name="a01_tiles", source="", timed=False, configs=(a,),
+            per_bucket={"T=1": a, "T=8": a}, bench_shapes=shapes).run("cpu")
+    assert isinstance(seen[0], PerBucket) and seen[0].served == ((320,),)
+    EvalJob(op="swiglu", name="a01_tiles", source="", timed=False, configs=(None,),
+            per_bucket={"T=1": None, "T=8": None}, bench_shapes=shapes).run("cpu")
+    assert seen[1] is None
     # A config the buckets do not cover (or an op without a token axis) keeps one each.
     seen.clear()
     job = EvalJob(op="swiglu", name="a01_tiles", source="", timed=False,

@@ -49,20 +49,22 @@ class PerBucket:
     @classmethod
     def of(cls, op: str, per_bucket: Mapping[str, Mapping | None],
            served_shapes: Sequence[Mapping[str, int]] = ()) -> PerBucket | None:
-        """None where one config (or none) covers every bucket, or the op has no token axis.
-        `served_shapes`: shapes at the widths the configs are for (the target's buckets)."""
+        """None where the op has no token axis, no bucket has a config, or one config covers
+        every bucket at every width (no `served_shapes`: shapes at the widths the configs are
+        for, the target's buckets; with them a single tuned config still leaves the other
+        widths to the default)."""
         from model.registry.configs import call_axes
 
         fixed, token_at = call_axes(op)
         configs = {json.dumps(dict(c) if c is not None else None, sort_keys=True)
                    for c in per_bucket.values()}
-        if token_at is None or len(configs) < 2:
-            return None
-        table = tuple(sorted((int(str(b).removeprefix("T=")), dict(c) if c is not None else None)
-                             for b, c in per_bucket.items()))
         names = [name for _, _, name in fixed]
         served = tuple(sorted({tuple(int(s[n]) for n in names) for s in served_shapes
                                if all(n in s for n in names)}))
+        if token_at is None or configs <= {"null"} or (len(configs) < 2 and not served):
+            return None
+        table = tuple(sorted((int(str(b).removeprefix("T=")), dict(c) if c is not None else None)
+                             for b, c in per_bucket.items()))
         return cls(table, token_at, tuple((i, axis) for i, axis, _ in fixed) if served else (),
                    served)
 

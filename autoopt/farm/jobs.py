@@ -154,11 +154,11 @@ class EvalJob:
         reasons: list[str] = []
         reports: list[dict] = []
         configs: list[Any] = distinct(self.configs)
-        per = (PerBucket.of(self.op, self.per_bucket, self.bench_shapes) if len(configs) > 1
-               else None)
+        per = PerBucket.of(self.op, self.per_bucket, self.bench_shapes)
         if per is not None and _same_configs(configs, [c for _, c in per.table]):
             # Every config on the calls serving would give it, in one verification (a template's
-            # proposal has one per bucket; one whole verification each took ~50 s on an H200).
+            # proposal has one per bucket; one whole verification each took ~50 s on an H200),
+            # and the variant's default at other widths, where serving's lookup gives it.
             configs = [per]
         for cfg in configs:
             limit = self.stage_s(end)
