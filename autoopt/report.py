@@ -1,9 +1,11 @@
 """The optimize run's end-to-end check and its report (`report.md` + PNG plots in the run dir).
 
 End-to-end: `autoopt bench model` in this process (bench_model.py) at the batch sizes the plan
-kept: the served step with the reference set, the tuned set (this arch's lock) and the run's new
-set (the lock plus this run's winners, written to `e2e.lock.toml`): ms per step (CUDA graphs
-where the runtime uses them; CPU times not meaningful) against the step's floor, and the parity
+kept, each at the first of the target's contexts where it fits: the served step with the
+reference set (on a GPU `reference-graphs`, the reference with a capturable MoE, replayed as a
+server replays it), the tuned set (this arch's lock) and the run's new set (the lock plus this
+run's winners, written to `e2e.lock.toml`): ms per step (CUDA graphs where the runtime uses
+them; CPU times not meaningful) against the step's floor, and the parity
 of each set's logits with the reference set's on the same sequences. Parity passes when every
 sequence's top-1 token agrees and max |diff| <= E2E_MAX_ABS: kernels within their op policies
 (bitwise or 1 BF16 ulp at a few elements) move softcapped logits far less than that, a wrong
