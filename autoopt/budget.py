@@ -51,6 +51,7 @@ COSTS = {
                  min_start=60.0),
 }
 E2E_SETS = 3  # reference, tuned, the run's new set
+COMPILE_SETS = 2  # torch.compile's set (with --compile) costs about two: Inductor compiles first
 
 
 @dataclass(frozen=True)
@@ -89,14 +90,14 @@ class RunPlan:
         return out
 
 
-def _fixed(c: Costs, n_profile: int, n_e2e: int) -> tuple[float, float]:
+def _fixed(c: Costs, n_profile: int, n_e2e: int, sets: int = E2E_SETS) -> tuple[float, float]:
     profile = c.profile_fixed + c.profile_per_batch * n_profile
-    e2e = c.e2e_fixed + E2E_SETS * (c.e2e_per_set + c.e2e_per_row * n_e2e) if n_e2e else 0.0
+    e2e = c.e2e_fixed + sets * (c.e2e_per_set + c.e2e_per_row * n_e2e) if n_e2e else 0.0
     return profile, e2e
 
 
 def plan_run(budget_s: float, kind: str, batches: Sequence[int], e2e: bool = True,
-             costs: Costs | None = None) -> RunPlan:
+             costs: Costs | None = None, compile: bool = False) -> RunPlan:
     """The plan for `budget_s` on `kind` ("cpu" or "gpu") at the target's `batches`: the
     largest of (every batch profiled and checked) > (one profiled, every one checked) > (one and
     one) > (one profiled, no check) that leaves the sessions their minimum."""
@@ -107,8 +108,9 @@ def plan_run(budget_s: float, kind: str, batches: Sequence[int], e2e: bool = Tru
     first = batches[:1]
     levels = [(batches, batches if e2e else ()), (first, batches if e2e else ()),
               (first, first if e2e else ()), (first, ())]
+    sets = E2E_SETS + (COMPILE_SETS if compile else 0)
     for prof, check in levels:
-        p_s, e_s = _fixed(c, len(prof), len(check))
+        p_s, e_s = _fixed(c, len(prof), len(check), sets)
         if budget_s - p_s - e_s - c.report >= c.min_sessions:
             break
     sessions = max(0.0, budget_s - p_s - e_s - c.report)
@@ -120,8 +122,9 @@ def plan_run(budget_s: float, kind: str, batches: Sequence[int], e2e: bool = Tru
                     + (" (timed on the GPU)" if kind == "gpu" else " (CPU: nothing timed)")
                     + each)]
     if check:
-        stages.append(Stage("e2e", e_s, "bench model: reference vs tuned vs the run's set at "
-                            f"batch {', '.join(map(str, check))}"))
+        stages.append(Stage("e2e", e_s, "bench model: reference vs tuned vs the run's set"
+                            + (" vs torch.compile" if compile else "")
+                            + f" at batch {', '.join(map(str, check))}"))
     stages.append(Stage("report", c.report, "report.md with ms per step against the floor"))
     return RunPlan(budget_s, prof, check, tuple(stages), c.min_op, c.min_start)
 

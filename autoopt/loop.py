@@ -257,7 +257,8 @@ def _run(args: OptimizeArgs, target: Any, agent: Any, state: RunState, proxy_not
          console: Console, start: float, clock: Any) -> Path:
     ctx = _context(args, target, state.run_dir, proxy_note)
     batches = (args.batch,) if args.batch else tuple(target.batch_sizes)
-    plan = plan_run(args.budget_s, "cpu" if not ctx.meaningful else "gpu", batches, args.e2e)
+    plan = plan_run(args.budget_s, "cpu" if not ctx.meaningful else "gpu", batches, args.e2e,
+                    compile=args.compile and ctx.meaningful)
     ends = plan.deadlines(start)
     say(f"autoopt optimize {target.name} with the {agent.name} agent -> {state.run_dir}"
         + (f" ({proxy_note})" if proxy_note else ""))

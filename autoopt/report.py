@@ -41,7 +41,7 @@ def _new_lock(ctx: Any, state: Any) -> Path | None:
 def end_to_end(ctx: Any, state: Any, batches: tuple[int, ...], layers: int | None,
                deadline: float, clock: Any) -> dict:
     """`bench model`: reference vs tuned vs the run's set at `batches`, within `deadline`."""
-    from .bench_model import BenchModelArgs, run_bench
+    from .bench_model import BenchModelArgs, kernel_label, run_bench
     from .bench_model_report import headline, write_outputs
     from .runlog import say
 
@@ -51,7 +51,8 @@ def end_to_end(ctx: Any, state: Any, batches: tuple[int, ...], layers: int | Non
     # eagerly, which no server does. Each batch runs at the target's first context where it
     # fits beside the model (a TP rank's long context leaves no room for its largest batches).
     base = "reference-graphs" if ctx.meaningful else "reference"
-    sets = (base, "tuned") + ((str(lock),) if lock else ())
+    sets = (base, "tuned") + ((str(lock),) if lock else ()) + (
+        ("compile",) if ctx.compile and ctx.meaningful else ())  # the peer, with --compile
     args = BenchModelArgs(
         target=str(ctx.target.source or ctx.target.name), batches=tuple(batches),
         contexts=tuple(ctx.target.contexts), first_fit=True, layers=layers, kernels=sets,
@@ -62,7 +63,7 @@ def end_to_end(ctx: Any, state: Any, batches: tuple[int, ...], layers: int | Non
     paths = write_outputs(res, ctx.run_dir / "e2e")
     for line in headline(res):
         say(line)
-    new = res.kernels[-1] if lock else None
+    new = kernel_label(str(lock)) if lock else None
     rows = [r for r in res.rows if r.ran and r.kernels == new]
     parity = bool(rows) and all(
         r.parity and r.parity["top1_agree"] and r.parity["finite"]

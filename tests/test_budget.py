@@ -39,6 +39,45 @@ def test_a_small_budget_drops_the_check_and_batches_before_the_sessions(budget, 
     assert ("e2e" in [s.name for s in p.stages]) == bool(checked)
 
 
+def test_with_compile_the_check_plans_for_torch_compiles_set_too():
+    p = plan_run(600, "gpu", (3, 1, 17), costs=COSTS_T, compile=True)
+    assert p.seconds("e2e") == 10 + 5 * (2 + 3 * 4)  # three sets and Inductor's, at two
+    assert any("vs torch.compile" in s.what for s in p.stages)
+    assert not any("torch.compile" in s.what for s in plan_run(600, "gpu", (3,), costs=COSTS_T)
+                   .stages)
+
+
+def test_the_check_compares_with_the_capturable_reference_and_compile_on_a_gpu(monkeypatch,
+                                                                               tmp_path):
+    # What end_to_end asks bench model for, by machine and flag (bench model itself faked).
+    from types import SimpleNamespace
+
+    import autoopt.bench_model as bm
+    import autoopt.bench_model_report as bmr
+
+    seen = []
+
+    def fake_run(args, say):
+        seen.append(args)
+        return SimpleNamespace(kernels=list(args.kernels), rows=[], meaningful=True)
+
+    monkeypatch.setattr(bm, "run_bench", fake_run)
+    monkeypatch.setattr(bmr, "write_outputs", lambda res, out: {k: out / k for k in
+                                                                 ("json", "md", "png")})
+    monkeypatch.setattr(bmr, "headline", lambda res: [])
+    state = SimpleNamespace(winners=lambda: {})
+    target = SimpleNamespace(source=None, name="h200-tp8-decode", contexts=(100000, 8192))
+    for meaningful, compile_, want in [(True, True, ("reference-graphs", "tuned", "compile")),
+                                       (True, False, ("reference-graphs", "tuned")),
+                                       (False, True, ("reference", "tuned"))]:
+        ctx = SimpleNamespace(meaningful=meaningful, compile=compile_, target=target,
+                              registry=SimpleNamespace(root=tmp_path), proxy_note="",
+                              run_dir=tmp_path)
+        out = report.end_to_end(ctx, state, (1, 64), None, 1e9, lambda: 0.0)
+        assert seen[-1].kernels == want and out["new_set"] is None
+        assert seen[-1].contexts == (100000, 8192) and seen[-1].first_fit
+
+
 def test_deadlines_count_from_the_start_and_the_end():
     p = plan_run(600, "cpu", (3, 1, 17), costs=COSTS_T)
     d = p.deadlines(1000.0)
