@@ -294,7 +294,7 @@ def test_a_proposal_with_a_config_per_bucket_is_verified_once_as_served(monkeypa
                   per_bucket={"T=1": a, "T=8": b, "T=64": b})
     res = job.run("cpu")
     assert res["reasons"] == [] and len(seen) == 1 and isinstance(seen[0], PerBucket)
-    assert seen[0].describe() == {"T=1": a, "T=8": b, "T=64": b}
+    assert seen[0].describe() == {"T=1": a, "T=8": b, "T=64": b} and seen[0].single() is None
     # One tuned config for every bucket: still the table at the target's widths (from the
     # bench shapes), so the default is judged at the others; no config at all: the plain path.
     seen.clear()
@@ -302,6 +302,7 @@ def test_a_proposal_with_a_config_per_bucket_is_verified_once_as_served(monkeypa
     EvalJob(op="swiglu", name="a01_tiles", source="", timed=False, configs=(a,),
             per_bucket={"T=1": a, "T=8": a}, bench_shapes=shapes).run("cpu")
     assert isinstance(seen[0], PerBucket) and seen[0].served == ((320,),)
+    assert seen[0].single() == a  # the report names it as its config, the table beside it
     EvalJob(op="swiglu", name="a01_tiles", source="", timed=False, configs=(None,),
             per_bucket={"T=1": None, "T=8": None}, bench_shapes=shapes).run("cpu")
     assert seen[1] is None

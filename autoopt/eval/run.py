@@ -71,6 +71,11 @@ class PerBucket:
     def describe(self) -> dict[str, dict | None]:
         return {f"T={b}": c for b, c in self.table}
 
+    def single(self) -> dict | None:
+        """The one tuned config every bucket has (what a report names as its config), or None."""
+        distinct = {json.dumps(c, sort_keys=True) for _, c in self.table}
+        return dict(self.table[0][1]) if len(distinct) == 1 and self.table[0][1] else None
+
 
 def start_candidate(w: Worker, text: bytes, device: str, config: dict | PerBucket | None,
                     palettes: dict[torch.dtype, torch.Tensor], seed: int) -> str | None:

@@ -93,7 +93,7 @@ def verify_variant(op: str, source: Path, *, device: str = "cpu",
 
     per = config if isinstance(config, PerBucket) else None
     report = VerifyReport(op=op, source=str(source), sha256=sha256_file(source), device=device,
-                          verdict="reject", reasons=[], config=None if per else config,
+                          verdict="reject", reasons=[], config=per.single() if per else config,
                           configs=per.describe() if per else None)
     start = time.monotonic()
     screen = static_screen(text.decode("utf-8", "replace"), str(source))

@@ -155,7 +155,9 @@ def entry(rec: Record, v: Any, runs: Runs | None) -> Entry:
     guards = {"method": _thaw(checks.get("method") or {}),
               "blocked": _thaw((checks.get("sandbox") or {}).get("blocked") or []),
               "behaviour": _thaw(checks.get("behaviour") or {})}
-    return Entry(v.verdict, v.device, _thaw(v.config) or {}, v.sha256 == rec.variant.sha256,
+    # A config per bucket (judged call by call, as served) shows as its table.
+    config = _thaw(v.config) or _thaw(r.get("configs") or {}) or {}
+    return Entry(v.verdict, v.device, config, v.sha256 == rec.variant.sha256,
                  v.sha256, list(v.reasons), _check_rows(checks),
                  _outputs(numerics.get("outputs") or []), _thaw(numerics.get("contract") or {}),
                  _near_rows((checks.get("near_misses") or {}).get("by_name") or {}), guards,
