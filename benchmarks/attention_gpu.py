@@ -10,8 +10,9 @@ measures, at Beam's TP8 rank shapes (H=5120, Hq=6, Hkv=1, D=128, pages of 16):
      mismatch fraction, and mismatches against the reference and the fp32_probs near miss (a
      kernel at the eager rounding points is far closer to the reference). Every row's pages are
      its own, scattered over the pool, so nothing is served from L2 by sharing.
-  2. qkv_gate_proj at T = 1..64: cuBLAS (the reference) and triton_v1 (a small config sweep for
-     T <= 16), against the HBM floor of the weight stream; gated_o_proj the same way: the torch
+  2. qkv_gate_proj at T = 1..64: cuBLAS (the reference), triton_v1 (tensor-core split-K GEMV)
+     and triton_v2 (multiply-reduce GEMV), each at the fastest of a config sweep for T <= 16,
+     against the HBM floor of the weight stream; gated_o_proj the same way: the torch
      gate then cuBLAS (the reference), attn_output_gate/triton_v1 then cuBLAS, and the fused
      template_splitk_v1.
   3. qk_norm_rope / qk_norm_ssmax with the KV write: the reference and template_rows_v2.
@@ -68,8 +69,17 @@ ATTN_SWEEP = [
 ]
 DRY_SWEEP = [{"SPLITS": 0, "BLOCK_N": 16, "MIN_BLOCKS": 1, "GROUP": 2, "num_warps": 4},
              {"SPLITS": 1, "BLOCK_N": 32, "MIN_BLOCKS": 1, "GROUP": 8, "num_warps": 4}]
-QKV_SWEEP = [{"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": s, "num_warps": 4}
-             for n in (16, 32) for k in (256, 512) for s in (1, 2, 4)]
+QKV_SWEEP = [{"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4},
+             {"BLOCK_N": 32, "BLOCK_K": 512, "SPLIT_K": 4, "num_warps": 4},
+             {"BLOCK_N": 32, "BLOCK_K": 512, "SPLIT_K": 2, "num_warps": 4}]
+# triton_v2 (multiply-reduce): a few programs a SM with their whole K range, or many with one
+# load step each (SPLIT_K); {} is the default (the library above 8 tokens), the others set
+# GEMV_MAX_T 16 so that every T <= 16 runs the kernel. Every config
+# compiles once per T class: the list is short so that the section stays within ~2 minutes.
+QKV2_SWEEP = [{}] + [{"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": sk, "num_warps": w, "GEMV_MAX_T": 16}
+              for n, k, sk, w in ((2, 1024, 1, 4), (4, 1024, 1, 4), (8, 1024, 5, 4),
+                                  (16, 1024, 5, 4), (4, 512, 10, 4), (16, 512, 10, 4),
+                                  (32, 512, 10, 8), (16, 1024, 5, 8))]
 GATED_SWEEP = [{"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": s, "num_warps": 4}
                for n in (16, 32) for k in (128, 256) for s in (1, 2, 3)]
 
@@ -190,6 +200,10 @@ def attention_rows(s, device, args, t0: float) -> tuple[list[dict], list[str]]:
                     notes.append(f"budget reached: stopped before ctx {ctx} batch {batch}")
                     return rows, notes
                 rows.append(attention_case(impls, near, ctx, batch, window, s, device, gen))
+                print(f"[{time.monotonic() - t0:6.0f} s] attention window {window} ctx {ctx} "
+                      f"bs {batch}: " + ", ".join(
+                          f"{k} {v['us']:.1f} us" if "us" in v else f"{k} error"
+                          for k, v in rows[-1].items() if isinstance(v, dict)), flush=True)
     return rows, notes
 
 
@@ -269,12 +283,13 @@ def best_configs(rows: list[dict]) -> dict:
 
 
 # ---- qkv_gate_proj and the Q/K norms ------------------------------------------------------------
-def gemm_rows(op: str, variant: str, s, device, bw: float, sweep: list[dict],
+def gemm_rows(op: str, variants: dict[str, list[dict]], s, device, bw: float,
               extra: dict | None = None) -> list[dict]:
-    """A GEMM-shaped op at T = s.tokens: the reference, `extra` callables (label -> fn) and the
-    variant (its best config of `sweep` where its GEMV path runs), against the HBM floor."""
+    """A GEMM-shaped op at T = s.tokens: the reference, `extra` callables (label -> fn) and each
+    variant (its best config of its sweep where its GEMV path runs: row[name] holds the time,
+    config and comparison with the reference), against the HBM floor."""
     c = contract(op)
-    mod = Registry().load_variant(op, variant)
+    mods = {name: Registry().load_variant(op, name) for name in variants}
     flat = (lambda out: torch.cat([o.flatten() for o in out]) if isinstance(out, tuple)
             else out.flatten())
     rows = []
@@ -286,21 +301,33 @@ def gemm_rows(op: str, variant: str, s, device, bw: float, sweep: list[dict],
                "torch_us": timed(lambda a=args: c.reference(*a), device)}
         for label, fn in (extra or {}).items():
             row[f"{label}_us"] = timed(lambda a=args, fn=fn: fn(*a), device)
-        configs = sweep if t <= mod.GEMV_MAX_TOKENS and device.type == "cuda" else [None]
-        best = None
-        for cfg in configs:
-            us = timed(lambda a=args, cfg=cfg: mod.run(*a, config=cfg), device)
-            if best is None or us < best[0]:
-                best = (us, cfg)
-        got = mod.run(*args, config=best[1])
-        row.update(triton_us=best[0], config=best[1],
-                   **compare(flat(got), flat(ref), None, flat(c.numerics.magnitude(*args))))
+        for name, mod in mods.items():
+            gemv = t <= getattr(mod, "GEMV_MAX_TOKENS", 16) and device.type == "cuda"
+            best = None
+            for cfg in variants[name] if gemv else [None]:
+                try:
+                    us = timed(lambda a=args, cfg=cfg, m=mod: m.run(*a, config=cfg), device)
+                except Exception as e:  # noqa: BLE001 - a config that does not compile: skip it
+                    row.setdefault("errors", []).append(f"{name} {cfg}: {str(e)[:200]}")
+                    continue
+                if best is None or us < best[0]:
+                    best = (us, cfg)
+            if best is None:
+                row[name] = {"error": "no config ran"}
+                continue
+            got = mod.run(*args, config=best[1])
+            row[name] = {"us": best[0], "config": best[1],
+                         **compare(flat(got), flat(ref), None, flat(c.numerics.magnitude(*args)))}
         rows.append(row)
+        print(f"{op} T={t}: floor {row['floor_us']:.1f} us, torch {row['torch_us']:.1f} us, "
+              + ", ".join(f"{n} {row[n]['us']:.1f} us {row[n]['config']}" for n in mods
+                          if "us" in row[n]), flush=True)
     return rows
 
 
 def qkv_rows(s, device, bw: float) -> list[dict]:
-    return gemm_rows("qkv_gate_proj", "triton_v1", s, device, bw, QKV_SWEEP)
+    return gemm_rows("qkv_gate_proj", {"triton_v1": QKV_SWEEP, "triton_v2": QKV2_SWEEP}, s,
+                     device, bw)
 
 
 def gated_rows(s, device, bw: float) -> list[dict]:
@@ -308,7 +335,7 @@ def gated_rows(s, device, bw: float) -> list[dict]:
     the tuned set runs without a fused variant) and the fused template."""
     gate = Registry().load_variant("attn_output_gate", "triton_v1").run
     composed = contract("gated_o_proj").compose({"attn_output_gate": gate})
-    return gemm_rows("gated_o_proj", "template_splitk_v1", s, device, bw, GATED_SWEEP,
+    return gemm_rows("gated_o_proj", {"template_splitk_v1": GATED_SWEEP}, s, device, bw,
                      {"gate_kernel_cublas": composed})
 
 
@@ -336,7 +363,7 @@ def qk_norm_rows(s, device) -> list[dict]:
 # ---- kernels per attention block ---------------------------------------------------------------
 def block_ops() -> OpTable:
     reg = Registry()
-    return OpTable({"qkv_gate_proj": reg.load_variant("qkv_gate_proj", "triton_v1").run,
+    return OpTable({"qkv_gate_proj": reg.load_variant("qkv_gate_proj", "triton_v2").run,
                     "qk_norm_rope": reg.load_variant("qk_norm_rope", "template_rows_v2").run,
                     "qk_norm_ssmax": reg.load_variant("qk_norm_ssmax", "template_rows_v2").run,
                     "attention": reg.load_variant("attention", "triton_v1").run,
@@ -403,7 +430,7 @@ def markdown(res: dict) -> str:
            "Decode attention per layer (µs, CUDA-graph replay; max ulp / mismatch vs reference):",
            "", "| layer | context | batch | impl | µs | max ulp | mismatch | vs ref | "
            "vs fp32_probs |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in res["attention"]:
+    for r in res.get("attention", []):
         for impl in ("torch", "triton_v1", "flashinfer_v1"):
             if impl in r:
                 m = r[impl]
@@ -426,29 +453,42 @@ def markdown(res: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _us(m: dict) -> str:
+    return f"{m['us']:.1f}" if "us" in m else "error"
+
+
 def block_markdown(res: dict) -> list[str]:
-    out = ["", "qkv_gate_proj (µs; floor: the weight stream at the measured copy rate):", "",
-           "| T | floor | cuBLAS | triton_v1 | max ulp | config |", "|---|---|---|---|---|---|"]
-    out += [f"| {r['T']} | {r['floor_us']:.1f} | {r['torch_us']:.1f} | {r['triton_us']:.1f} | "
-            f"{r['max_ulp']} | {r['config']} |" for r in res["qkv"]]
+    out = ["", "qkv_gate_proj (µs; floor: the weight stream at the measured copy rate; each "
+           "variant at its fastest config):", "",
+           "| T | floor | cuBLAS | triton_v1 | triton_v2 | v2 x floor | max ulp v1/v2 | "
+           "triton_v2 config |", "|---|---|---|---|---|---|---|---|"]
+    for r in res["qkv"]:
+        v1, v2 = r.get("triton_v1", {}), r.get("triton_v2", {})
+        ratio = f"{v2['us'] / r['floor_us']:.2f}" if "us" in v2 else ""
+        out.append(f"| {r['T']} | {r['floor_us']:.1f} | {r['torch_us']:.1f} | {_us(v1)} | "
+                   f"{_us(v2)} | {ratio} | {v1.get('max_ulp')}/{v2.get('max_ulp')} | "
+                   f"{v2.get('config')} |")
     out += ["", "gated_o_proj (µs; the output gate and o_proj; floor: the weight stream):", "",
             "| T | floor | torch gate + cuBLAS | gate kernel + cuBLAS | template_splitk_v1 | "
             "max ulp | config |", "|---|---|---|---|---|---|---|"]
-    out += [f"| {r['T']} | {r['floor_us']:.1f} | {r['torch_us']:.1f} | "
-            f"{r['gate_kernel_cublas_us']:.1f} | {r['triton_us']:.1f} | {r['max_ulp']} | "
-            f"{r['config']} |" for r in res.get("gated_o_proj", [])]
+    for r in res.get("gated_o_proj", []):
+        m = r.get("template_splitk_v1", {})
+        out.append(f"| {r['T']} | {r['floor_us']:.1f} | {r['torch_us']:.1f} | "
+                   f"{r['gate_kernel_cublas_us']:.1f} | {_us(m)} | {m.get('max_ulp')} | "
+                   f"{m.get('config')} |")
     out += ["", "Q/K norm with the KV write (µs):", "",
             "| op | T | torch | template_rows_v2 | q max ulp | k max ulp | v bitwise |",
             "|---|---|---|---|---|---|---|"]
     out += [f"| {r['op']} | {r['T']} | {r['torch_us']:.1f} | {r['triton_us']:.1f} | "
             f"{r['q']['max_ulp']} | {r['k_cache']['max_ulp']} | {r['v_cache_bitwise']} |"
-            for r in res["qk_norm"]]
+            for r in res.get("qk_norm", [])]
     return out + ["", "Kernels per attention block at bs 1: "
-                  + json.dumps(res["kernels_per_block"])]
+                  + json.dumps(res.get("kernels_per_block"))]
 
 
-def measure(args, device, t0: float) -> dict:
-    """The whole run (--quick: decode attention and the config sweep only)."""
+def measure(args, device, t0: float, save=lambda res: None) -> dict:
+    """The whole run (--quick: decode attention and the config sweep only); `save(res)` after
+    each section, so that a run cut short keeps what finished."""
     cpu = device.type == "cpu"
     s = (DRY_QUICK if cpu else QUICK) if args.quick else (DRY if cpu else GPU)
     name = torch.cuda.get_device_name(device) if not cpu else "cpu (dry run)"
@@ -466,12 +506,20 @@ def measure(args, device, t0: float) -> dict:
         return res
     bw = hbm_bytes_per_s(device)
     res["env"]["copy_bytes_per_s"] = bw
-    res["kernels_per_block"] = block_kernels(s, device)
-    res["qkv"] = qkv_rows(s, device, bw)
-    res["gated_o_proj"] = gated_rows(s, device, bw)
-    res["qk_norm"] = qk_norm_rows(s, device)
-    res["attention"], notes = attention_rows(s, device, args, t0)
-    res["notes"] += notes
+    sections = (("kernels_per_block", lambda: block_kernels(s, device)),
+                ("qkv", lambda: qkv_rows(s, device, bw)),
+                ("attention", lambda: attention_rows(s, device, args, t0)),
+                ("gated_o_proj", lambda: gated_rows(s, device, bw)),
+                ("qk_norm", lambda: qk_norm_rows(s, device)))
+    for key, section in sections:
+        started = time.monotonic()
+        res[key] = section()
+        if key == "attention":
+            res[key], notes = res[key]
+            res["notes"] += notes
+        print(f"[{time.monotonic() - t0:6.0f} s] {key}: {time.monotonic() - started:.0f} s",
+              flush=True)
+        save(res)
     return res
 
 
@@ -479,11 +527,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t0 = time.monotonic()
     device = torch.device("cpu" if args.dry_run or not torch.cuda.is_available() else "cuda")
-    res = measure(args, device, t0)
-    res["notes"].append(f"elapsed {time.monotonic() - t0:.0f} s")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "attention_gpu.json").write_text(json.dumps(res, indent=2, default=str))
-    (args.out / "attention_gpu.md").write_text(markdown(res))
+
+    def save(res: dict) -> None:
+        (args.out / "attention_gpu.json").write_text(json.dumps(res, indent=2, default=str))
+        if "qkv" in res or "attention" in res:
+            (args.out / "attention_gpu.md").write_text(markdown(res))
+
+    res = measure(args, device, t0, save)
+    res["notes"].append(f"elapsed {time.monotonic() - t0:.0f} s")
+    save(res)
     short = [f"{r['layer']:6} ctx {r['context']:>6} bs {r['batch']:>2}: " + "  ".join(
         f"{k} {r[k]['us']:.1f}us/{r[k]['max_ulp']}ulp" if "us" in r[k] else f"{k} error"
         for k in ("torch", "triton_v1", "flashinfer_v1") if k in r) for r in res["attention"]]

@@ -24,7 +24,7 @@ def variants():
     reg = Registry()
     return {(op, name): reg.load_variant(op, name) for op, name in (
         ("attention", "triton_v1"), ("qkv_gate_proj", "triton_v1"),
-        ("qk_norm_rope", "template_rows_v2"), ("qk_norm_ssmax", "template_rows_v2"),
+        ("qkv_gate_proj", "triton_v2"), ("qk_norm_rope", "template_rows_v2"), ("qk_norm_ssmax", "template_rows_v2"),
         ("gated_o_proj", "template_splitk_v1"), ("gated_o_proj", "template_splitk_v2"))}
 
 
@@ -94,6 +94,46 @@ def test_qkv_gate_proj_triton_v1_passes_the_harness(variants, config):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("config", [{}, {"SPLIT_K": 3, "BLOCK_N": 2, "BLOCK_K": 32},
+                                    {"SPLIT_K": 1, "BLOCK_N": 0, "BLOCK_K": 256,
+                                     "GEMV_MAX_T": 16}])
+def test_qkv_gate_proj_triton_v2_passes_the_harness(variants, config):
+    # 1 and 5 tokens through the multiply-reduce GEMV (5: three padded rows of 8), 17 through
+    # the library GEMM; {} is the default (automatic rows, five splits, the library above 8).
+    shapes = [{"T": t, "H": 192, "Hq": 6, "Hkv": 1, "D": 16} for t in (1, 5, 17)]
+    reasons, _ = _verify("qkv_gate_proj", variants["qkv_gate_proj", "triton_v2"].run, shapes,
+                         config)
+    assert reasons == [], reasons
+
+
+@pytest.mark.parametrize("config", [{"BLOCK_N": 3}, {"BLOCK_K": 100}, {"SPLIT_K": 0},
+                                    {"num_warps": 3}])
+def test_qkv_gate_proj_triton_v2_refuses_a_bad_config(variants, config):
+    c = contract("qkv_gate_proj")
+    args = c.make_inputs({"T": 1, "H": 64, "Hq": 2, "Hkv": 1, "D": 16}, 0)
+    with pytest.raises(ValueError):
+        variants["qkv_gate_proj", "triton_v2"].run(*args, config=config)
+
+
+@pytest.mark.parametrize("t", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize("h", [7, 64, 349])
+def test_qkv_gate_proj_triton_v2_gemv_matches_exact_sums(variants, t, h):
+    # Every T <= 16 through the GEMV (odd widths: masked tails, a split longer than the rest):
+    # within one rounding of the exact (float64) product, and at most 1 ulp from cuBLAS's.
+    c = contract("qkv_gate_proj")
+    x, w, hq, hkv = c.make_inputs({"T": t, "H": h, "Hq": 2, "Hkv": 1, "D": 16}, t + h)
+    exact = x.double() @ w.double().T
+    for config in ({"GEMV_MAX_T": 16}, {"GEMV_MAX_T": 16, "SPLIT_K": 4, "BLOCK_K": 16,
+                                        "BLOCK_N": 1}):
+        got = torch.cat([o.reshape(t, -1) for o in variants["qkv_gate_proj", "triton_v2"].run(
+            x, w, hq, hkv, config=config)], 1)
+        assert torch.equal(got, got.double().to(torch.bfloat16))
+        err = (got.double() - exact).abs()
+        ulp = exact.abs().to(torch.bfloat16).double().clamp_min(2.0**-126) * 2.0**-8
+        assert (err <= ulp * 1.01 + 1e-6 * exact.abs().max()).all(), err.max()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [{"SPLIT_K": 1, "BLOCK_N": 16, "BLOCK_K": 64},
                                     {"SPLIT_K": 3, "BLOCK_N": 32, "BLOCK_K": 32}, {}])
 @pytest.mark.parametrize("name", ["template_splitk_v1", "template_splitk_v2"])
@@ -160,7 +200,8 @@ def test_qkv_gate_proj_template_reads_only_its_rows_of_a_padded_input(t):
 def test_qkv_gate_proj_outputs_are_views_of_one_gemm(variants):
     c = contract("qkv_gate_proj")
     x, w, hq, hkv = c.make_inputs({"T": 3, "H": 64, "Hq": 6, "Hkv": 1, "D": 16}, 0)
-    for run in (variants["qkv_gate_proj", "triton_v1"].run, c.reference):
+    for run in (variants["qkv_gate_proj", "triton_v1"].run,
+                variants["qkv_gate_proj", "triton_v2"].run, c.reference):
         q, k, v, g = run(x, w, hq, hkv)  # one GEMM output, four views: no copies
         base = q.untyped_storage().data_ptr()
         assert all(t.untyped_storage().data_ptr() == base for t in (k, v, g))
