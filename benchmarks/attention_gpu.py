@@ -93,6 +93,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "270; 65 with --quick, of which the cases take 55%%, the sweep the "
                         "rest).")
     p.add_argument("--no-flashinfer", action="store_true", help="Skip FlashInfer.")
+    p.add_argument("--sections", default=None,
+                   help="Comma-separated sections to run (default all): kernels_per_block, qkv, "
+                        "attention, gated_o_proj, qk_norm.")
     p.add_argument("--quick", action="store_true",
                    help="Decode attention only (1k/8k/128k x bs 1/8/64), no FlashInfer, plus a "
                         "triton_v1 config sweep at bs 1 and 8 (~70 s).")
@@ -511,7 +514,13 @@ def measure(args, device, t0: float, save=lambda res: None) -> dict:
                 ("attention", lambda: attention_rows(s, device, args, t0)),
                 ("gated_o_proj", lambda: gated_rows(s, device, bw)),
                 ("qk_norm", lambda: qk_norm_rows(s, device)))
+    wanted = set(args.sections.split(",")) if args.sections else {k for k, _ in sections}
+    unknown = wanted - {k for k, _ in sections}
+    if unknown:
+        raise SystemExit(f"unknown sections {sorted(unknown)}")
     for key, section in sections:
+        if key not in wanted:
+            continue
         started = time.monotonic()
         res[key] = section()
         if key == "attention":
@@ -539,11 +548,11 @@ def main(argv: list[str] | None = None) -> int:
     save(res)
     short = [f"{r['layer']:6} ctx {r['context']:>6} bs {r['batch']:>2}: " + "  ".join(
         f"{k} {r[k]['us']:.1f}us/{r[k]['max_ulp']}ulp" if "us" in r[k] else f"{k} error"
-        for k in ("torch", "triton_v1", "flashinfer_v1") if k in r) for r in res["attention"]]
+        for k in ("torch", "triton_v1", "flashinfer_v1") if k in r) for r in res.get("attention", [])]
     if "best_configs" in res:
         short += [f"best {k}: {v['us']:.1f}us {v['config']}"
                   for k, v in res["best_configs"].items()]
-    if "kernels_per_block" in res:
+    if res.get("kernels_per_block"):
         short.append(f"kernels per block: {res['kernels_per_block']}")
     print("\n".join(short + res["notes"]))
     return 0

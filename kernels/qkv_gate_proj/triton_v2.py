@@ -1,6 +1,6 @@
 """qkv_gate_proj triton_v2 (hand-written): the packed q/k/v/gate projection as one GEMM; for decode
-a multiply-reduce GEMV on the CUDA cores that keeps a program's whole weight block in flight, the
-library GEMM (torch's F.linear) above GEMV_MAX_T tokens.
+a multiply-reduce GEMV on the CUDA cores for one token, the library GEMM (torch's F.linear) above
+GEMV_MAX_T tokens (1 by default).
 
 Formula (model/ops/qkv_gate_proj.py): out[T, N] = bf(x[T, H] @ W[N, H]^T) with an FP32
 accumulator, N = (2*Hq + 2*Hkv) * D, W packed at load time in the order q, k, v, gate; the four
@@ -27,13 +27,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-# BLOCK_N 0: as many rows as keep BLOCK_T x BLOCK_N x BLOCK_K products at 64 a thread
-# (8 rows at one token, 4 at two, ...): at Beam's TP8 rank (N = 1792, H = 5120) SPLIT_K 5 then
-# gives 1120 programs at T = 1, each with its 16 KB of weight (one 1024-wide step) in flight.
+# BLOCK_N 0: as many rows as keep BLOCK_T x BLOCK_N x BLOCK_K products at 64 a thread.
+# The default is the fastest of a sweep on an H200 at Beam's TP8 rank (N = 1792, H = 5120):
+# T = 1 at 7.2 us against cuBLAS's 8.1 (floor 4.3), two rows and the whole K range a program
+# (896 programs, five 1024-wide steps). From two tokens on every config tried was slower than
+# cuBLAS (11 us at T = 2, 16 at T = 4, 36 at T = 8: the per-token products and their shuffles,
+# not the weight stream, set the time), so the library GEMM takes T >= 2 by default.
 CONFIG_SPACE = {"BLOCK_N": [0, 1, 2, 4, 8, 16, 32], "BLOCK_K": [256, 512, 1024, 2048],
                 "SPLIT_K": [1, 2, 4, 5, 8, 10], "num_warps": [2, 4, 8],
                 "GEMV_MAX_T": [0, 1, 2, 4, 8, 16]}
-DEFAULT_CONFIG = {"BLOCK_N": 0, "BLOCK_K": 1024, "SPLIT_K": 5, "num_warps": 4, "GEMV_MAX_T": 8}
+DEFAULT_CONFIG = {"BLOCK_N": 2, "BLOCK_K": 1024, "SPLIT_K": 1, "num_warps": 4, "GEMV_MAX_T": 1}
 _TICKETS: dict[tuple[str, int], torch.Tensor] = {}
 
 
