@@ -181,6 +181,41 @@ def test_racecheck_summary_is_parsed():
     assert not is_kernel_language(b"import torch\n")
 
 
+LIBRARY_RACE = (
+    "========= Error: Race reported between Write access at nvjet_sm90_tst_64x8_splitK_TNT+0x2e10\n"
+    "=========     and Write access at nvjet_sm90_tst_64x8_splitK_TNT+0x2f60 [336 hazards]\n")
+OWN_RACE = (
+    "========= Error: Race reported between Write access at _gemv_kernel+0x1a0\n"
+    "=========     and Read access at _gemv_kernel+0x2b0 [12 hazards]\n")
+
+
+def _summary(errors: int) -> str:
+    return f"========= RACECHECK SUMMARY: {errors} hazards displayed ({errors} errors, 0 warnings)\n"
+
+
+@pytest.mark.parametrize("log,names,counted,library", [
+    # Only the library's kernel (the variant called cuBLAS, as the reference does): excused.
+    (LIBRARY_RACE + _summary(1), {"_gemv_kernel", "run"}, 0, ["nvjet_sm90_tst_64x8_splitK_TNT"]),
+    # The candidate's own kernel: counted, beside an excused library record.
+    (OWN_RACE + LIBRARY_RACE + _summary(2), {"_gemv_kernel"}, 1,
+     ["nvjet_sm90_tst_64x8_splitK_TNT"]),
+    # A kernel named like the library's is still the candidate's when its source defines it.
+    (LIBRARY_RACE + _summary(1), {"nvjet_sm90_tst_64x8_splitK_TNT"}, 1, []),
+    # A record naming no kernel, and records past the print limit, count.
+    ("========= Error: Race reported between Write access and Read access\n" + _summary(1),
+     set(), 1, []),
+    (LIBRARY_RACE + _summary(3), {"_gemv_kernel"}, 2, ["nvjet_sm90_tst_64x8_splitK_TNT"]),
+])
+def test_racecheck_hazards_are_attributed_to_the_candidate_or_the_library(log, names, counted,
+                                                                           library):
+    from autoopt.eval.races import candidate_errors, defined_names, parse_summary
+
+    assert candidate_errors(log, parse_summary(log), names) == (counted, library)
+    assert defined_names(b"import triton\n@triton.jit\ndef _k(x):\n    pass\n"
+                         b"def run(a):\n    def inner():\n        pass\n") == {"_k", "run",
+                                                                             "inner"}
+
+
 def test_cpu_reports_races_not_checked(tmp_path):
     src = tmp_path / "plain.py"
     src.write_text("import torch.nn.functional as F\n\n\ndef run(gate, up, config=None):\n"
