@@ -242,9 +242,12 @@ COMPILE_CASES = {
         ("_attention_pv_kernel", [P, L, L, L, L, P, F, F, F, F, "*i32", P] + [N] * 6 + [C] * 11,
          {"WINDOW": 0, "PAGE": 16, "D": 128, "BLOCK_G": 16, "BLOCK_H": 8, "BLOCK_N": 64,
           "SPLITS": 128, "MIN_BLOCKS": 2, "GROUP": 8, "COMBINE": 8, "ON_GPU": True})],
-    "qkv_gate_proj": [("_qkv_gate_proj_gemv_kernel", [P, P, P, F, "*i32"] + [N] * 4 + [C] * 5,
-                       {"BLOCK_T": 16, "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2,
-                        "ON_GPU": True})],
+    "qkv_gate_proj": [("_qkv_gate_proj_mr_kernel", [P, P, P, F, "*i32"] + [N] * 3 + [C] * 6,
+                       {"K": 5120, "CHUNK": 1024, "BLOCK_T": 1, "BLOCK_N": 8, "BLOCK_K": 1024,
+                        "SPLIT_K": 5}),
+                      ("_qkv_gate_proj_mr_kernel", [P, P, P, F, "*i32"] + [N] * 3 + [C] * 6,
+                       {"K": 5120, "CHUNK": 2560, "BLOCK_T": 8, "BLOCK_N": 2, "BLOCK_K": 512,
+                        "SPLIT_K": 2})],
 }
 _COMPILE = '''
 import importlib.util, sys, json

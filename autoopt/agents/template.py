@@ -156,6 +156,15 @@ CATALOG: dict[str, tuple[TemplateSpec, ...]] = {
         "token bucket so that short batches still fill the GPU.",
         "two launches instead of ~20, within 1.5x of the K/V read floor at long context"),),
     "qkv_gate_proj": (TemplateSpec(
+        "qkv_gate_proj", "mr", "qkv_gate_proj__mr.py",
+        "at one token the packed projection is a weight stream that a tensor-core dot serves "
+        "badly (one row padded to 16, a short shared-memory pipeline): a multiply-reduce GEMV "
+        "on the CUDA cores, its K loop unrolled so that a program's weight loads are all in "
+        "flight, rows, K steps and splits tuned per bucket, the library GEMM where it wins "
+        "(GEMV_MAX_T per bucket).",
+        "one launch at T = 1 within 1.7x of the HBM floor, ahead of cuBLAS's two kernels; the "
+        "library GEMM from a few tokens on"),
+        TemplateSpec(
         "qkv_gate_proj", "splitk", "qkv_gate_proj__splitk.py",
         "at decode the packed projection is a weight stream; a split-K GEMV whose last program "
         "per tile sums the partials in order replaces cuBLAS's GEMV + split-K reduce.",
