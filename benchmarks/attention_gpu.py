@@ -548,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     save(res)
     short = [f"{r['layer']:6} ctx {r['context']:>6} bs {r['batch']:>2}: " + "  ".join(
         f"{k} {r[k]['us']:.1f}us/{r[k]['max_ulp']}ulp" if "us" in r[k] else f"{k} error"
-        for k in ("torch", "triton_v1", "flashinfer_v1") if k in r) for r in res.get("attention", [])]
+        for k in ("torch", "triton_v1", "flashinfer_v1") if k in r)
+        for r in res.get("attention", [])]
     if "best_configs" in res:
         short += [f"best {k}: {v['us']:.1f}us {v['config']}"
                   for k, v in res["best_configs"].items()]

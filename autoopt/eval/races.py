@@ -6,11 +6,14 @@ explicit shared memory). The candidate runs in a worker started under `compute-s
 racecheck`, at the plan's smallest bucket shape and its smallest with T >= 2 (a variant may take
 another path per token count), a few calls each; the log decides. A hazard counts against the
 candidate unless every kernel its record names is a library's: a kernel whose symbol contains
-no function name the candidate's source defines (cuBLAS's split-K GEMMs report hazards of their
-own when a variant calls the library, as the reference does). A record that names no kernel,
-and records the log's print limit left out, count against it. Races between programs on global memory are not in racecheck's reach: on a GPU
-they show as nondeterminism or wrong outputs over the verification's many calls, and on CPU the
-interpreter runs the programs in shuffled orders (worker.py).
+no function name the candidate's source defines, as a whole word (Triton names a kernel after
+its function, CuTe DSL puts the function's name inside the symbol; the screen forbids renaming
+one). cuBLAS's split-K GEMMs report hazards of their own when a variant calls the library, as
+the reference does: on an H200, `nvjet_sm90_tst_64x8_64x16_4x1_v_bz_splitK_TNT` at T = 8. A
+record that names no kernel, and records the log's print limit left out, count against it.
+Races between programs on global memory are not in racecheck's reach: on a GPU they show as
+nondeterminism or wrong outputs over the verification's many calls, and on CPU the interpreter
+runs the programs in shuffled orders (worker.py).
 """
 
 from __future__ import annotations
@@ -55,8 +58,9 @@ def hazard_records(log: str) -> list[dict[str, Any]]:
 def candidate_errors(log: str, summary: dict[str, Any], names: set[str]) -> tuple[int, list]:
     """(error records that count against the candidate, kernels of the library-only ones)."""
     errors = [r for r in hazard_records(log) if r["kind"] == "error"]
+    own = [re.compile(rf"(?<![A-Za-z0-9]){re.escape(n)}(?![A-Za-z0-9])") for n in names]
     library = [r for r in errors if r["kernels"] and not any(
-        n in k for k in r["kernels"] for n in names)]
+        p.search(k) for k in r["kernels"] for p in own)]
     total = summary.get("errors", 0)  # the summary's count decides; records only attribute it
     unseen = max(0, total - len(errors))  # past the print limit
     kernels = sorted({k for r in library for k in r["kernels"]})
