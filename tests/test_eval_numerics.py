@@ -53,11 +53,11 @@ def test_bitwise_policy_is_strict_on_cuda_and_stated_on_cpu():
     cpu = effective_policy(sw, torch.bfloat16, "cpu")
     assert (cuda.kind, cuda.max_ulp) == ("bitwise", 0)
     # No looser than the interpreter needs: honest kernels are exact in BF16 there, and within one
-    # unbiased FP32 ulp in ~0.6% of logit_softcap's values.
+    # FP32 ulp in ~0.6% of logit_softcap's values, all one way (no bias test there).
     assert (cpu.kind, cpu.max_ulp, cpu.max_mismatch_fraction) == ("ulp", 1, 1e-4)
     assert "strict on cuda" in cpu.describe()
     soft = effective_policy(contract("logit_softcap").numerics, torch.float32, "cpu")
-    assert (soft.max_ulp, soft.max_mismatch_fraction, soft.judge_bias) == (1, 0.02, True)
+    assert (soft.max_ulp, soft.max_mismatch_fraction, soft.judge_bias) == (1, 0.02, False)
     ids = effective_policy(contract("router").numerics, torch.int64, "cuda")
     assert ids.kind == "exact"
 

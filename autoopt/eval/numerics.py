@@ -15,8 +15,9 @@ deviation is.
 How a `bitwise` op is judged on CPU: the Triton interpreter computes transcendental functions
 with numpy (triton 3.9's differ from 3.6's) and truncates BF16 casts, so on CPU a bitwise op is
 judged as ulp(1 BF16 ulp, 1e-4) for BF16 outputs and ulp(1 FP32 ulp, 0.02) for FP32 outputs
-(logit_softcap's honest kernels differ from torch's CPU tanhf in ~0.6% of values by one unbiased
-FP32 ulp under triton 3.9's interpreter): what the interpreter needs, and no more. On cuda a
+(logit_softcap's honest kernels differ from torch 2.13's CPU tanhf in ~0.6% of values by one FP32
+ulp under triton 3.9's interpreter, all of them one way, so the FP32 rule has no bias test): what
+the interpreter needs, and no more. On cuda a
 bitwise op is judged strictly. The report's checks say which policy ran.
 """
 
@@ -83,9 +84,12 @@ def effective_policy(numerics: Any, dtype: torch.dtype, device: str) -> Policy:
     if device.startswith("cuda"):
         return Policy("bitwise", 0, 0.0, False, "strict on cuda")
     if dtype == torch.float32:
-        return Policy("ulp", CPU_BITWISE_FP32[0], CPU_BITWISE_FP32[1], True,
+        # No bias test: numpy's tanhf and torch's CPU one differ one way (the interpreter's
+        # value is the larger in magnitude in every differing element seen), which the test
+        # reads as a rounding cheat; on cuda the op is bitwise.
+        return Policy("ulp", CPU_BITWISE_FP32[0], CPU_BITWISE_FP32[1], False,
                       "bitwise op judged on cpu: interpreter libm (numpy) differs from torch's "
-                      "by an FP32 ulp; strict on cuda")
+                      "by an FP32 ulp, one way, so no bias test; strict on cuda")
     return Policy("ulp", CPU_BITWISE_BF16[0], CPU_BITWISE_BF16[1], True,
                   "bitwise op judged on cpu: interpreter libm noise; strict on cuda")
 
