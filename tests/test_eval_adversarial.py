@@ -23,6 +23,7 @@ CORPUS = Path(__file__).resolve().parent / "adversarial"
 HANG_TIMEOUT_S = 20.0
 SMALL = Budget(seeds=2, max_tokens=48, marathon_s=(0.5, 1.0))
 FULL = Budget()
+_STATE = "keeps state that changes from call to call"
 _NUMERIC = ("numerics:", "closer to near miss", "not written", "burst:")
 # A candidate that changes behaviour after a while shows it by any of these.
 _CHANGED = (*_NUMERIC, "nondeterministic", "races:", "caches outputs", "outputs changed",
@@ -57,6 +58,18 @@ REJECTED: dict[str, tuple[str, tuple[str, ...], str]] = {
     # Exact without a config, wrong with the DEFAULT_CONFIG serving passes.
     "config_detect_torch": ("swiglu", _NUMERIC, "any"),
     "call_count_device_triton": ("swiglu", _CHANGED, "any"),
+    # Counts no number of judged calls reaches (a million, a billion): the state a candidate
+    # keeps differs after two calls on the same inputs, wherever it keeps it.
+    "call_count_closure_torch": ("swiglu", (_STATE,), "all"),
+    "call_count_iterator_torch": ("swiglu", (_STATE,), "all"),
+    "call_count_generator_torch": ("swiglu", (_STATE,), "all"),
+    "call_count_object_torch": ("swiglu", (_STATE,), "all"),
+    "call_count_device_late_triton": ("swiglu", (_STATE,), "all"),
+    "call_count_kernel_attr_triton": ("swiglu", (_STATE,), "all"),
+    "call_count_changes_torch": ("swiglu", (_STATE,), "all"),
+    "remembers_inputs_triton": ("swiglu", (_STATE,), "all"),
+    "random_cheat_torch": ("swiglu", (_STATE, "<torch's global generator>"), "all"),
+    "call_count_lru_hits_torch": ("swiglu", ("static screen: accesses .cache_info",), "all"),
     "token_detect_torch": ("swiglu", _NUMERIC, "any"),
     "width_detect_triton": ("swiglu", _NUMERIC, "any"),
     "stride_detect_torch": ("swiglu", _CHANGED, "any"),

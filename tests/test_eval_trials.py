@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from autoopt.eval import wire
 from autoopt.eval import followups as fu
+from autoopt.eval import wire
 from autoopt.eval import worker as wk
 from autoopt.eval.channel import Worker
 from autoopt.eval.judgement import judge_near_misses, judge_numerics
@@ -29,10 +29,12 @@ SMALL = Budget(seeds=2, max_tokens=40, marathon_s=(0.2, 0.5))
 class InProcessWorker:
     """The worker's handlers, called directly: the judge's logic without a process."""
 
-    def __init__(self, run, device: str = "cpu") -> None:
+    def __init__(self, run, device: str = "cpu", state: bool = False) -> None:
         self.state = wk._State(device)
         self.state.run = run
         self.handlers = wk._handlers()
+        if not state:  # a test's spy (a list of the calls seen) is state of its own
+            self.handlers["state"] = lambda s, m, f: {"digest": {}}
         self.arena = self.state.arena = wire.Arena(16 << 20)
         self.tmp = Path(tempfile.mkdtemp())
         self.requests = 0
@@ -64,11 +66,13 @@ def _one_thread():
 
 
 def session(op: str, run, budget: Budget = SMALL, secret: Secret | None = None,
-            shapes: list[dict] | None = None, device: str = "cpu") -> tuple[list[str], dict, Judge]:
-    """A whole verification session of `run` (a trusted callable, in this process), judged."""
+            shapes: list[dict] | None = None, device: str = "cpu",
+            state: bool = False) -> tuple[list[str], dict, Judge]:
+    """A whole verification session of `run` (a trusted callable, in this process), judged;
+    with `state`, what `run` keeps between calls is digested and checked too."""
     c = contract(op)
     s = secret or Secret()
-    w = InProcessWorker(lambda *a, config=None: run(*a), device)
+    w = InProcessWorker(lambda *a, config=None: run(*a), device, state)
     palettes = {dt: s.palette(dt) for dt in POISON_DTYPES}
     descs = w.pack(list(palettes.values()))
     w.request({"cmd": "palette", "seed": 1, "palettes": dict(zip(
@@ -85,8 +89,9 @@ def session(op: str, run, budget: Budget = SMALL, secret: Secret | None = None,
 
 @pytest.mark.parametrize("op", OPS)
 def test_reference_passes_its_own_verifier(op):
-    reasons, checks, j = session(op, contract(op).reference)
+    reasons, checks, j = session(op, contract(op).reference, state=True)
     assert reasons == []
+    assert j.state_checks and all(e["comparisons"] == 2 for e in j.state_checks)
     assert all(o["mismatches"] == 0 for o in checks["numerics"]["outputs"])
     assert j.calls > 20 and not j.skipped or op == "moe_experts"  # moe: no T=0 inputs
 
@@ -580,9 +585,7 @@ def test_a_burst_over_its_memory_bound_runs_two_sets_and_still_catches_a_pointer
     # back to a burst set) fill the cache first: then the session rejects the cheat too, but
     # through the numerics rather than the burst.
     for n in range(3):
-        cache = {}
-
-        def by_pointer(gate, up):
+        def by_pointer(gate, up, cache={}):  # noqa: B006 - the cheat's own cache
             return cache.setdefault((gate.data_ptr(), up.data_ptr()), _swiglu(gate, up)).clone()
 
         s = Secret(bytes([n + 1]) * 16)

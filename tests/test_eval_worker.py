@@ -109,7 +109,8 @@ def test_the_worker_holds_no_judge_code():
     ''')
     mods, on_path = reply["raised"].removeprefix("RuntimeError: ").split("|")
     assert set(mods.split(";")) <= {"autoopt", "autoopt.eval", "autoopt.eval.worker",
-                                    "autoopt.eval.worker_burst", "autoopt.eval.wire",
+                                    "autoopt.eval.worker_burst", "autoopt.eval.worker_state",
+                                    "autoopt.eval.wire",
                                     "autoopt.eval.audit"}
     assert on_path == "False"
 

@@ -41,6 +41,80 @@ def repeat(j: Judge, case: Case) -> None:
                                       f"{where}")
 
 
+_STATE_FULL_BYTES = 256 << 20
+
+
+def keeps_state(j: Judge, case: Case, seed: int) -> None:
+    """What the candidate keeps between calls (worker_state.py) must be what the inputs of its
+    last call determine. Twice: after two calls on the case's held inputs, and after new data
+    (drawn from `seed`, never seen before) then the case's own again in the same buffers. A
+    count of calls changes on every call; a count of calls whose inputs changed, or a record
+    of the inputs seen, changes in the second. Either can make a kernel exact for as many calls
+    as a verification makes and wrong after."""
+    where = f"at {case.key} (seed {case.seed})"
+    held = [i for i, a in enumerate(case.args) if isinstance(a, torch.Tensor)]
+    restore = sorted(set(j.inplace.values()))  # inputs the op updates: back before each call
+
+    def call_with(args: tuple, ref: tuple, rewrite: list[int]) -> bool:
+        for i in rewrite:
+            j.write(case.handle, i, args[i])
+        outs = j.call(case.handle, ref, where)
+        if outs is None:
+            return False
+        j.drop([], [j.last_out_id])
+        if args is not case.args:  # judged, out of the bias test as other follow-ups' calls
+            j.record(case.key, args, outs, ref, bias=False)
+        return True
+
+    def digest() -> dict:
+        return j._checked(j.w.request({"cmd": "state"}))["digest"]
+
+    entry = {"case": case.key, "names": 0, "comparisons": 0, "changed": []}
+    j.state_checks.append(entry)
+    if not call_with(case.args, case.ref, restore):
+        return
+    first = digest()
+    entry["names"] = len(first)
+    if not call_with(case.args, case.ref, restore):
+        return
+    again = digest()
+    _state_finding(j, first, again, f"after two calls on the same inputs {where}", entry)
+    # New data in every input; where the inputs are large (a MoE rank's expert weights), only in
+    # those with a row per token, which are what changes from one served call to the next.
+    new = refill(case.args, j.c.make_inputs(dict(case.shape), seed, j.device))
+    t = case.args[0].shape[j.c.token_dim] if held and held[0] == 0 else -1
+    size = sum(case.args[i].numel() * case.args[i].element_size() for i in held)
+    changing = [i for i in held if new[i] is not case.args[i] and (
+        size <= _STATE_FULL_BYTES or (case.args[i].dim() >= 1 and case.args[i].shape[0] == t))]
+    if not changing:
+        return
+    new = tuple(new[i] if i in changing else a for i, a in enumerate(case.args))
+    ok = call_with(new, j.reference(new), changing)
+    if ok and call_with(case.args, case.ref, changing):
+        _state_finding(j, again, digest(), f"after a call on other data in the same buffers "
+                                           f"and one on the same inputs again {where}", entry)
+    elif not ok:  # the case's buffers hold its own data again
+        for i in changing:
+            j.write(case.handle, i, case.args[i])
+
+
+def _state_finding(j: Judge, a: dict, b: dict, how: str, entry: dict) -> None:
+    entry["comparisons"] += 1
+    if "<too many objects>" in b:
+        j.findings.add("state", f"keeps more than {b['<too many objects>']} objects between "
+                                "calls: too many to check that they do not change")
+        return
+    changed = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    entry["changed"] += [k for k in changed if k not in entry["changed"]]
+    if changed:
+        names = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4
+                                           else "")
+        j.findings.add("state", f"keeps state that changes from call to call: {names} differed "
+                                f"{how} (state that counts calls or remembers inputs can make "
+                                "a kernel exact for as many calls as a verification makes and "
+                                "wrong after)")
+
+
 def same_buffers(j: Judge, case: Case) -> None:
     where = f"at {case.key} (seed {case.seed})"
     alt = j.alt_args(case)

@@ -202,7 +202,7 @@ def _session(report: Any, c: Any, w: Worker, text: bytes, plan: ShapePlan, budge
     report.per_shape = j.per_shape
     report.checks["behaviour"] = {"calls": j.calls, "failed": dict(j.findings.count),
                                   "steps": len(steps), "burst": burst, "marathon": j.marathon,
-                                  "skipped_edge_cases": j.skipped}
+                                  "state": j.state_checks, "skipped_edge_cases": j.skipped}
     if c.name == "router":
         report.checks["router_ties"] = {"rows": j.router_ties[:50],
                                         "tolerated": sum(r["tie"] for r in j.router_ties)}

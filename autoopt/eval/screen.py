@@ -171,6 +171,8 @@ DENIED_ATTRS: dict[str, str] = {
     "Event": "uses CUDA events (timers)", "CUDAGraph": "captures CUDA graphs",
     "share_memory_": "shared memory", "library": "overrides torch operators",
     "get_device": _WHICH_GPU,
+    # A cache's hit count is a count of calls (behaviour that can change after any number).
+    "cache_info": "reads a cache's statistics, whose hits count calls",
 }
 _FRAME_ATTR = re.compile(r"^(f|tb|gi|cr|ag|co)_[a-z]+$")
 _DUNDER_IN_STRING = re.compile(r"__[A-Za-z][A-Za-z0-9_]*__")

@@ -73,6 +73,14 @@ def build_steps(plan: ShapePlan, budget: Budget, secret: Secret) -> tuple[list, 
         firsts = [k for k, (kind, _) in enumerate(steps) if kind == "first"]
         at = firsts[rng.randint(0, len(firsts) // 3)] if firsts else 0
         steps.insert(at, ("marathon", rng.choice(burst_shapes)))
+    # What the candidate keeps between calls, on the follow-up cases and on the cases with the
+    # fewest and the most tokens (a count kept only for decode or only for prefill calls),
+    # after every other step: it needs no secret position, a count changes on every call.
+    if plain:
+        ends = (min(plain, key=lambda k: specs[k][0].get("T", 0)),
+                max(plain, key=lambda k: specs[k][0].get("T", 0)))
+        for k in dict.fromkeys((*chosen, *ends)):
+            steps.append(("state", k))
     return specs, steps
 
 
@@ -146,4 +154,5 @@ _FOLLOW: dict[str, Callable[[Judge, Case, Secret], None]] = {
     "shuffled_random": lambda j, c, s: fu.shuffled(j, c, "random"),
     "shuffled_reverse": lambda j, c, s: fu.shuffled(j, c, "reverse"),
     "recheck": lambda j, c, s: fu.recheck(j, c),
+    "state": lambda j, c, s: fu.keeps_state(j, c, s.seed()),
 }

@@ -170,6 +170,7 @@ class Judge:
         # candidate calls with their outputs back): where a slow judge spends its time.
         self.spent: dict[str, float] = dict.fromkeys(SPENT, 0.0)
         self.marathon: dict[str, Any] = {}  # what the run's marathon did (followups.marathon)
+        self.state_checks: list[dict] = []  # followups.keeps_state: the cases, what was digested
         self._ids = 0
         self._alt_case: Case | None = None  # the one case whose `alt` is kept
         # LAYOUTS left to deal, by "two rows or more"; and TAIL_SIZES left, under "tail"

@@ -4,10 +4,11 @@ Started by the judge (`channel.Worker`) as `python -m autoopt.eval.worker SOCKET
 back, then does what each request says: keep input tensors the judge wrote into the arena, call
 the candidate on them (after filling free memory with the judge's poison, which looks like
 data), copy outputs back into the arena, capture and replay CUDA graphs of many calls, and report
-what it saw (output structure, aliasing, times). It never sees the op, the reference, the seeds
-or a judgement; it imports no judge code (only `wire` and `audit`). The judge believes nothing
-it says without a check of its own: outputs are judged against the judge's references, and times
-against the judge's wall clock.
+what it saw (output structure, aliasing, times, a digest of the candidate's state). It never sees
+the op, the reference, the seeds or a judgement; it imports no judge code (only `wire`, `audit`
+and its own `worker_burst` and `worker_state`). The judge believes nothing it says without a
+check of its own: outputs are judged against the judge's references, and times against the
+judge's wall clock.
 
 Before the candidate is imported the runner imports what the candidate will import, binds its
 timers, installs the audit hook (audit.py) and drops the repository from `sys.path`; on CPU it
@@ -45,6 +46,7 @@ class _State:
         self.device = device
         self.arena: wire.Arena | None = None
         self.run: Any = None
+        self.module: Any = None  # the candidate's module (None: a trusted in-process callable)
         self.config: dict | None = None
         # A config per token bucket, chosen call by call (the registry's nearest-bucket rule on
         # the call's token count, read at `token_at` = (argument, axis)); None: `config` always.
@@ -115,12 +117,14 @@ def _text(s: str) -> str:
 
 def _handlers() -> dict[str, Any]:
     from . import worker_burst as wb  # binds its timers now, before any candidate is loaded
+    from . import worker_state as ws
 
     return {"hello": _hello, "arena": _arena, "load": _load, "palette": _set_palette,
             "put": _put, "write": _write, "call": _call, "export": _export,
             "readback": _readback, "drop": _drop, "burst_setup": wb.setup,
             "burst_poison": wb.poison, "burst_run": wb.run, "burst_export": wb.export,
             "marathon": wb.marathon,
+            "state": lambda s, m, f: {"digest": _state_digest(s, ws)},
             "ping": lambda s, m, f: {}, "exit": lambda s, m, f: {}}
 
 
@@ -182,7 +186,7 @@ def _load(state: _State, msg: dict, fds: list) -> dict:
     run = module.__dict__.get("run")
     if not callable(run):
         return {"import_error": "defines no callable `run`"}
-    state.run = run
+    state.run, state.module = run, module
     if state.config is None and module.__dict__.get("DEFAULT_CONFIG") is not None:
         # Serving calls a variant without a tuned config for the call with its DEFAULT_CONFIG
         # (the registry's KernelCall): so does the judge, or `config is None` would tell the
@@ -419,6 +423,14 @@ def _call(state: _State, msg: dict, fds: list) -> dict:
     return {"outputs": _describe(outs, args, state, call_id), "count": len(outs),
             "data": _write_outputs(state, outs, msg["expect"], *_region(msg))[0],
             "elapsed_s": elapsed, "permuted_launches": state.order["permuted"]}
+
+
+def _state_digest(state: _State, ws: Any) -> dict[str, str]:
+    """A digest per module-level name of what the candidate keeps between calls
+    (worker_state.py); the judge compares two taken after identical calls."""
+    if state.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return ws.digest(state.module, state.run, state.device)
 
 
 def _export(state: _State, msg: dict, fds: list) -> dict:
