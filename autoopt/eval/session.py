@@ -77,8 +77,11 @@ def build_steps(plan: ShapePlan, budget: Budget, secret: Secret) -> tuple[list, 
     # fewest and the most tokens (a count kept only for decode or only for prefill calls),
     # after every other step: it needs no secret position, a count changes on every call.
     if plain:
+        # The most tokens among the buckets' cases: a drawn or long count past them costs four
+        # more calls at the run's largest shape and shows nothing a bucket's would not.
+        bucketed = [k for k in plain if specs[k][0] in plan.buckets] or plain
         ends = (min(plain, key=lambda k: specs[k][0].get("T", 0)),
-                max(plain, key=lambda k: specs[k][0].get("T", 0)))
+                max(bucketed, key=lambda k: specs[k][0].get("T", 0)))
         for k in dict.fromkeys((*chosen, *ends)):
             steps.append(("state", k))
     return specs, steps
