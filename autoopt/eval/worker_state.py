@@ -25,6 +25,7 @@ library objects it holds (their caches are keyed by what the call looks like).
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import types
@@ -36,7 +37,7 @@ import torch
 _type = type
 _MAX_OBJECTS = 50_000
 _SCALARS = (int, float, complex, bool, str, bytes, type(None), type(Ellipsis))
-_CONTAINERS = (list, tuple, set, frozenset)
+_CONTAINERS = (list, tuple, set, frozenset, collections.deque)
 # Builtin iterators and itertools objects: their position is what `__reduce__` gives back.
 _ITER_MODULES = frozenset({"builtins", "itertools"})
 _LIBRARIES = ("torch", "triton", "numpy", "cutlass", "flashinfer", "functools", "collections",
@@ -130,7 +131,7 @@ class _Walk:
             for k, v in items:
                 self.feed(k, depth + 1)
                 self.feed(v, depth + 1)
-        elif isinstance(obj, _CONTAINERS) or t.__qualname__ == "deque":
+        elif isinstance(obj, _CONTAINERS):
             items = list(obj)
             if isinstance(obj, set | frozenset):
                 items.sort(key=lambda x: (_type(x).__qualname__, repr(x) if _type(x) in
