@@ -390,7 +390,15 @@ def op_deadline(now: float, end: float, remaining: int, min_op_s: float,
 
 
 JUDGE_MARGIN = 1.25  # an op's last verification time, times this, plus its timing
-TIMING_S = 20.0  # the candidate's and the baseline's timings at the target's buckets
+# One token bucket's timing (a worker's inputs, compiles, warmup and timed calls), the
+# candidate's and the baseline's each: on an H200 the attention baseline's eight buckets at a
+# 100k-token context took more than 30 s.
+TIMING_PER_BUCKET_S = 4.0
+
+
+def timing_seconds(buckets: int) -> float:
+    """Seconds the candidate's and the baseline's timings at `buckets` token buckets take."""
+    return 2 * max(1, buckets) * TIMING_PER_BUCKET_S
 
 
 def judge_seconds(registry: Any, op: str, arch: str | None) -> float | None:
@@ -455,10 +463,11 @@ def _sessions(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState,
                     now = clock()
                     deadline = op_deadline(now, end, left[0], *minimums, slots=slots)
                     left[0] -= 1
-                    why = ""
+                    why, need = "", None
                     if deadline is not None and ctx.meaningful:
                         judged = judge_seconds(ctx.registry, op, ctx.arch)
-                        need = judged * JUDGE_MARGIN + TIMING_S if judged else None
+                        buckets = len(served_batches(ctx.target))
+                        need = judged * JUDGE_MARGIN + timing_seconds(buckets) if judged else None
                         deadline, why = fit_deadline(need, now, deadline, end)
                 if deadline is None:
                     why = why or "the budget was spent"
@@ -467,7 +476,8 @@ def _sessions(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState,
                         f"time" + (f": {why}" if why != "the budget was spent" else ""))
                     continue
                 try:
-                    _one_op(args, agent, ctx, state, op, deadline, console, end, farm, ledger)
+                    _one_op(args, agent, ctx, state, op, deadline, console, end, farm, ledger,
+                            eval_s=need or 0.0)
                 except Exception as e:  # noqa: BLE001 - one op's failure must not end the run
                     if slots == 1:
                         raise
@@ -491,7 +501,9 @@ def _sessions(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState,
 
 def _one_op(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState, op: str,
             deadline: float, console: Console, end: float | None = None, farm: Any = None,
-            ledger: Ledger | None = None) -> None:
+            ledger: Ledger | None = None, eval_s: float = 0.0) -> None:
+    """One op's sessions until `deadline`; `eval_s`: what one candidate's evaluation is expected
+    to take here (a template's tuning leaves it before the deadline)."""
     device = "cuda" if ctx.meaningful else "cpu"
     task = build_task(ctx, state, op, device)
     state.update_op(op, status="running", device=device, baseline=task.current_name)
@@ -509,7 +521,7 @@ def _one_op(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState, op
                                  hard_deadline=end, farm=farm, ledger=ledger)
     n = args.sessions
     limits = Limits(max_candidates=args.max_candidates, deadline=deadline,
-                    op_candidates=args.max_candidates * n)
+                    op_candidates=args.max_candidates * n, eval_s=eval_s)
     say(f"{op}: {n} {agent.name} session(s) until {deadline - time.monotonic():.0f} s from now, "
         f"baseline {task.current_name}, {len(task.attempts)} earlier attempt(s), "
         f"{len(task.shapes)} token bucket(s) {[s['T'] for s in task.shapes]}")

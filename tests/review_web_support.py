@@ -21,6 +21,8 @@ from pathlib import Path
 from model.registry import ConfigTable, Provenance, Registry, Verification, shipped_root, writers
 
 OP, NAME, RUN, CANDIDATE = "swiglu", "claude_rows_v1", "20261201-120000-cpu-tiny", "a01_rows"
+# What a candidate for OP would replace on the H200: the shipped lock's selection for sm_90.
+SELECTED_SM90 = Registry(shipped_root()).read_lock().section("sm_90")[OP].variant
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]

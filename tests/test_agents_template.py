@@ -220,6 +220,26 @@ def test_deadline_stops_tuning_and_proposes_the_default(tmp_path):
     assert ev.asked == [] and prop.configs is None and prop.config == CATALOG["swiglu"][0].default()
 
 
+def test_tuning_leaves_the_ops_expected_evaluation_time_before_the_deadline(tmp_path):
+    """An op whose one evaluation takes minutes (attention on an H200: a 100 s verification and
+    more than 30 s to time the baseline) must not have its session's time eaten by config
+    trials: tuning stops where what is left is that evaluation's."""
+    import time
+
+    now = time.monotonic()
+    ev = FakeEvaluator()
+    session = TemplateAgent(trials=50).start(_task("swiglu", "cuda"), ev, tmp_path,
+                                             Limits(deadline=now + 100.0, eval_s=150.0))
+    prop = session.propose(None)
+    assert ev.asked == [] and prop.configs is None and prop.config == CATALOG["swiglu"][0].default()
+    ev = FakeEvaluator()  # the same deadline with a cheap evaluation: it tunes
+    session = TemplateAgent(trials=4).start(_task("swiglu", "cuda"), ev, tmp_path / "b",
+                                            Limits(deadline=now + 100.0, eval_s=30.0))
+    assert session.propose(None).configs and ev.asked
+    with pytest.raises(ValueError, match="eval_s"):
+        Limits(eval_s=-1.0)
+
+
 # ---- the GPU path compiles (sm_90 PTX, no GPU needed) -------------------------------------
 P, F, N, C, L = "*bf16", "*fp32", "i32", "constexpr", "*i64"
 COMPILE_CASES = {

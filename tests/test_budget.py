@@ -101,6 +101,19 @@ def test_shipped_costs_cover_both_kinds():
         plan_run(0, "cpu", (1,))
 
 
+def test_readme_command_one_on_an_h200_profiles_and_checks_every_batch_size():
+    """`autoopt optimize --budget 5m` on an H200 (h200-tp8-decode serves batch 1, 8, 32, 64):
+    with the measured stage costs the served step is profiled and checked end to end at every
+    batch size, and the sessions keep their minimum."""
+    from autoopt.targets import load_target
+
+    batches = tuple(load_target("h200-tp8-decode").batch_sizes)
+    p = plan_run(300, "gpu", batches)
+    assert p.profile_batches == batches and p.e2e_batches == batches
+    assert p.seconds("sessions") >= COSTS["gpu"].min_sessions
+    assert sum(s.seconds for s in p.stages) == pytest.approx(300)
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.now = 10_000.0
@@ -125,7 +138,7 @@ def test_the_loop_keeps_its_budget_with_stubbed_stages(tmp_path, monkeypatch):
                               "by_batch": {"3": {"rows": rows, "step_us": 10.0,
                                                  "floor_us": 1.0}}})
 
-    def one_op(args, agent, ctx, state, op, deadline, console, end=None, *farm_ledger):
+    def one_op(args, agent, ctx, state, op, deadline, console, end=None, *farm_ledger, **kw):
         assert end == ends_box[0]
         calls["ops"].append((op, clock.now, deadline))
         clock.now = deadline  # every session uses all of its time

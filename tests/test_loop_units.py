@@ -183,7 +183,7 @@ def test_state_survives_a_line_cut_by_a_crash(tmp_path):
 
 
 def _fake_one_op(args, agent, ctx, state, op, deadline, console, end=None, farm=None,
-                 ledger=None):
+                 ledger=None, eval_s=0.0):
     import threading
 
     state.update_op(op, status="done", thread=threading.current_thread().name,
@@ -249,7 +249,7 @@ def test_resume_of_a_finished_run_only_rewrites_the_report(tmp_path, monkeypatch
     st.update(profile={"rows": [], "meaningful": False})
     st.set_ops([{"op": "swiglu", "status": "done", "time_us": 1.0}])
     called = []
-    monkeypatch.setattr(loop, "_one_op", lambda *a: called.append(a))
+    monkeypatch.setattr(loop, "_one_op", lambda *a, **kw: called.append(a))
     out = loop.optimize(OptimizeArgs(), resume=st.run_dir)
     assert out == st.run_dir and called == []
     assert json.loads((st.run_dir / "state.json").read_text())["phase"] == "done"
@@ -348,3 +348,6 @@ def test_an_op_whose_evaluation_cannot_fit_is_not_started_and_one_that_can_gets_
     assert moe is not None and moe > 120  # the shipped records' H200 verifications
     assert judge_seconds(reg, "moe_experts", "sm_100") is None
     assert judge_seconds(reg, "moe_experts", None) is None
+    # Timing is the candidate's and the baseline's, per token bucket: eight buckets of decode
+    # attention at a 100k-token context took more than 30 s for the baseline alone on an H200.
+    assert loop.timing_seconds(8) >= 60 and loop.timing_seconds(8) == 8 * loop.timing_seconds(1)

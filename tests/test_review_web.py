@@ -22,7 +22,7 @@ from autoopt.review_web.server import banner, in_thread
 from autoopt.review_web.sources import side_by_side
 from model.registry import shipped_root, writers
 
-from .review_web_support import FIXED, NAME, OP, RUN, build, cli, files, judged
+from .review_web_support import FIXED, NAME, OP, RUN, SELECTED_SM90, build, cli, files, judged
 
 pytestmark = pytest.mark.slow  # the judge and the timer run once (~15 s), then each server ~1 s
 
@@ -138,7 +138,7 @@ def test_candidate_page_shows_diff_evidence_plots_notes_and_transcript(server):
     # By default against what it would replace where it passed (cpu: nothing locked there).
     assert "Diff against reference" in c.get(f"/variant/{OP}/{NAME}").text
     html = c.get(f"/variant/{OP}/{NAME}?arch=sm_90").text
-    assert "swiglu/triton_v1 (selected for sm_90)" in html
+    assert f"{OP}/{SELECTED_SM90} (selected for sm_90)" in html
     assert html.count('<tr class="insert">') + html.count('<tr class="replace">') > 10
     assert '<span class="k">def</span>' in html  # highlighted by pygments
     cpu = c.get(f"/variant/{OP}/{NAME}?arch=cpu").text

@@ -21,6 +21,7 @@ from .review_web_support import (
     NAME,
     OP,
     RUN,
+    SELECTED_SM90,
     build,
     cli,
     files,
@@ -77,9 +78,9 @@ def page(browser, served):
 def test_candidate_page_renders_its_diff_and_plots(page, served):
     page.click(f"a[href='/variant/{OP}/{NAME}']")
     assert page.locator("h1").inner_text().startswith(f"{OP} / {NAME}")
-    page.click("text=sm_90")  # what it would replace on the H200: the locked triton_v1
+    page.click("text=sm_90")  # what it would replace on the H200: the locked variant
     page.wait_for_load_state("networkidle")
-    assert "swiglu/triton_v1 (selected for sm_90)" in page.locator("#diff-table").inner_text()
+    assert f"{OP}/{SELECTED_SM90} (selected for sm_90)" in page.locator("#diff-table").inner_text()
     assert page.locator("#diff-table tr.insert, #diff-table tr.replace").count() > 10
     assert page.locator("#diff-table span.k").count() > 0  # highlighted keywords
     plots = page.locator("img.plot")

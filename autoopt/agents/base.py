@@ -249,11 +249,16 @@ class Limits:
     max_candidates: int = 4  # per session
     deadline: float | None = None  # time.monotonic() value
     op_candidates: int | None = None  # all sessions of the op together (None: max_candidates)
+    # Seconds one candidate's evaluation (verification and timing) is expected to take here:
+    # what a session's own searching (a template's config trials) must leave before its deadline.
+    eval_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_candidates < 1 or (self.op_candidates is not None
                                        and self.op_candidates < 1):
             raise ValueError("max_candidates and op_candidates must be >= 1")
+        if not self.eval_s >= 0:
+            raise ValueError(f"eval_s must be seconds >= 0, got {self.eval_s}")
 
 
 class UsageSink(Protocol):

@@ -351,8 +351,11 @@ class TemplateSession:
                       optuna.trial.TrialState.COMPLETE if ok else optuna.trial.TrialState.FAIL)
 
     def _out_of_time(self) -> bool:
+        """Past the point where the proposal's own evaluation would no longer fit: the op's
+        expected evaluation time (its recorded verifications, with timing) or TUNE_RESERVE_S."""
         d = self.limits.deadline
-        return d is not None and time.monotonic() > d - TUNE_RESERVE_S
+        reserve = max(TUNE_RESERVE_S, self.limits.eval_s)
+        return d is not None and time.monotonic() > d - reserve
 
     def close(self) -> dict:
         return {"stop_reason": None, "tuning": self.tuning}
