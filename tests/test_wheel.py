@@ -93,7 +93,7 @@ def test_installed_wheel_ships_targets_and_registry_and_writes_outside_site_pack
     out = autoopt("registry", "lock")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "sm_90" in out.stdout and "norm_residual_norm" in out.stdout
-    out = autoopt("verify", "--op", "swiglu", "--variant", "triton_v1", "--device", "cpu")
+    out = autoopt("verify", "--op", "swiglu", "--variant", "triton_v2", "--device", "cpu")
     assert out.returncode == 0, out.stdout + out.stderr
     out = autoopt("optimize", "--target", "cpu-tiny", "--agent", "template", "--ops", "swiglu",
                   "--max-candidates", "1", "--trials", "1", "--layers", "2", "--verify-seeds",

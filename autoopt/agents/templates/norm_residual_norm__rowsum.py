@@ -1,7 +1,7 @@
 """norm_residual_norm rowsum template: the whole sandwich boundary in one row program.
 
 # {{HEADER}}
-Copied from the hand-written kernels/norm_residual_norm/triton_v1.py.
+Copied from the hand-written kernels/norm_residual_norm/triton_v2.py.
 
 Formula (docs/numerics.md "Post-norm, depth-scaled residual, next pre-norm"), d = add_index:
     p  = bf( f32(w_post) * (f32(branch) * rsqrt(mean(f32(branch)^2) + eps)) )
