@@ -24,15 +24,17 @@ def load_script():
 def test_dry_run_verifies_times_and_writes_records(tmp_path, capsys):
     script = load_script()
     # Two ops (a norm and an elementwise op) keep it short; the logic is the same for all five.
-    code = script.main(["--dry-run", "--ops", "rmsnorm,swiglu", "--variants", "triton_v2",
-                        "--out", str(tmp_path)])
+    # Both variants carry H200 rows in their committed records, which the run must keep.
+    code = script.main(["--dry-run", "--ops", "rmsnorm,attn_output_gate", "--variants",
+                        "triton_v1", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0, out
     out_reg = Registry(tmp_path)  # $OUT is a registry, written by the registry's own writer
-    for op in ("rmsnorm", "swiglu"):
-        rec = out_reg.read_record(op, "triton_v2")
-        committed = Registry(DEFAULT_ROOT).read_record(op, "triton_v2")
-        assert rec.variant.sha256 == sha256(DEFAULT_ROOT / op / "triton_v2.py")
+    for op in ("rmsnorm", "attn_output_gate"):
+        rec = out_reg.read_record(op, "triton_v1")
+        committed = Registry(DEFAULT_ROOT).read_record(op, "triton_v1")
+        assert [b for b in committed.benchmarks if b.gpu != "cpu"]  # H200 rows to keep
+        assert rec.variant.sha256 == sha256(DEFAULT_ROOT / op / "triton_v1.py")
         assert rec.status == committed.status  # what the review decided is kept
         assert rec.verdicts()["cpu"] == "pass"
         assert rec.verification["sm_90"] == committed.verification["sm_90"]  # other arch kept
@@ -42,7 +44,7 @@ def test_dry_run_verifies_times_and_writes_records(tmp_path, capsys):
         # The GPU rows committed before stay: this run measured another device.
         assert [b for b in rec.benchmarks if b.gpu != "cpu"] == \
             [b for b in committed.benchmarks if b.gpu != "cpu"]
-        assert f"{op:<20} triton_v2   pass" in out
+        assert f"{op:<20} triton_v1   pass" in out
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["arch"] == "cpu" and len(summary["results"]) == 2
 
