@@ -83,6 +83,8 @@ class Row:
     x_floor: float | None = None
     kernels_per_step: int | None = None
     kernels_per_layer: float | None = None
+    kernels_by_op: dict[str, int] = field(default_factory=dict)  # one step's, per op range
+    attention_block_kernels: float | None = None  # per layer (ATTENTION_BLOCK's ops)
     graph_bucket: int | None = None
     speedup: dict[str, float] = field(default_factory=dict)  # first set's time / this set's
     parity: dict[str, Any] = field(default_factory=dict)
@@ -174,6 +176,34 @@ def count_kernels(served) -> int:
     return sum(r.kind in ("kernel", "cpu") for r in trace.records)
 
 
+# The ops of one attention block (projection, Q/K norm with the cache write, attention, gate and
+# output projection): their kernels per layer are the block's launch count.
+ATTENTION_BLOCK = ("qkv_gate_proj", "qk_norm_rope", "qk_norm_ssmax", "paged_attention",
+                   "attention", "attn_output_gate", "gated_o_proj")
+
+
+def count_kernels_by_op(served) -> dict[str, int]:
+    """Kernels (CPU: top-level aten ops) per op in one served step: the step the decode graph
+    captured, run eagerly inside the ops' ranges (a graph replay carries no ranges; the same
+    code launches the same kernels). Kernels outside every op's range count as `other`."""
+    from .profiler.torch_trace import trace_call
+
+    with served.eager():
+        trace = trace_call(served.step, served.device, ranges=True)
+    out: dict[str, int] = {}
+    for r in trace.records:
+        if r.kind in ("kernel", "cpu"):
+            out[r.op] = out.get(r.op, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def attention_block_kernels(by_op: dict[str, int], layers: int) -> float | None:
+    """Kernels one attention block launches (mean over the step's layers)."""
+    if not by_op or layers < 1:
+        return None
+    return sum(by_op.get(op, 0) for op in ATTENTION_BLOCK) / layers
+
+
 def _parity(ref: torch.Tensor | None, new: torch.Tensor | None) -> dict[str, Any]:
     if ref is None or new is None or ref.shape != new.shape:
         return {}
@@ -206,12 +236,13 @@ def bench_batch(served, target: Target, kset: str, batch: int, iters: int, warmu
 
     ctx = served.shape.context
     served.start(batch)
-    served.ensure(iters + warmup + 3)
+    served.ensure(iters + warmup + 4)  # + the recorded, counted and labelled steps
     calls, logits = record_step(served)
     floor = step_floor(calls, served.model, target.phase, batch, ctx, rates)
     for _ in range(warmup):
         served.step()
     n_kernels = count_kernels(served) if count else None
+    by_op = count_kernels_by_op(served) if count else {}
     samples = timed_steps(served.step, iters, row_s)
     med = statistics.median(samples)
     q = statistics.quantiles(samples, n=4) if len(samples) >= 4 else [med, med, med]
@@ -221,6 +252,7 @@ def bench_batch(served, target: Target, kset: str, batch: int, iters: int, warmu
               floor_ms=floor.floor_us / 1e3, x_floor=med / (floor.floor_us / 1e3),
               kernels_per_step=n_kernels,
               kernels_per_layer=n_kernels / max(layers, 1) if n_kernels is not None else None,
+              kernels_by_op=by_op, attention_block_kernels=attention_block_kernels(by_op, layers),
               graph_bucket=served.bucket(), parity=_parity(ref_logits, logits))
     return row, floor, logits
 

@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .bench_model import BenchResult, Row
+from .bench_model import ATTENTION_BLOCK, BenchResult, Row
 
 
 def _f(v: float | None, spec: str = ".2f") -> str:
@@ -48,12 +48,12 @@ def markdown(res: BenchResult) -> str:
              "pre-filled to the context (CUDA-graph replay on a GPU). Floor: weights the step's "
              "routing touched + KV bytes over the bandwidth ceiling measured in this process.", "",
              f"| context | batch | kernels | ms/step | IQR ms | tokens/s | floor ms | x floor | "
-             f"kernels/step | kernels/layer | vs {first} | parity |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             f"kernels/step | kernels/layer | attention block | vs {first} | parity |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in res.rows:
         if not r.ran:
             lines.append(f"| {r.context} | {r.batch} | {r.kernels} | not run: {r.why} |"
-                         " | | | | | | | |")
+                         " | | | | | | | | |")
             continue
         par = r.parity
         parity = ("-" if not par else f"top-1 {'ok' if par['top1_agree'] else 'DIFFERS'}, "
@@ -62,13 +62,22 @@ def markdown(res: BenchResult) -> str:
             f"| {r.context} | {r.batch} | {r.kernels} | {r.median_ms:.3f} | {r.iqr_ms:.3f} | "
             f"{r.tokens_per_s:,.0f} | {r.floor_ms:.3f} | {r.x_floor:.1f} | "
             f"{_f(r.kernels_per_step, 'd')} | {_f(r.kernels_per_layer, '.0f')} | "
-            f"{_speed(r, first)} | {parity} |")
+            f"{_f(r.attention_block_kernels, '.1f')} | {_speed(r, first)} | {parity} |")
     if any(r.parity for r in res.rows):
         lines += ["", f"Parity: the recorded step's logits against {first}'s (top-1 token, "
                   "largest difference). With random weights one BF16 ulp anywhere changes the "
                   "top-1 token of most prompts after 52 layers (the routing picks another "
                   "expert; `benchmarks/parity_sensitivity.py`), so a set that is not bitwise the "
                   "first differs there without being wrong; the judge checks each kernel."]
+    by_op = [r for r in res.rows if r.ran and r.kernels_by_op]
+    if by_op:
+        lines += ["", "Attention block: the kernels per layer of its ops (" + ", ".join(
+                  f"`{op}`" for op in ATTENTION_BLOCK) + "), counted in one step run eagerly "
+                  "inside the ops' ranges (the code the graph captured). Kernels per op in "
+                  "that step:", "", "| context | batch | kernels | per op |", "|---:|---:|---|---|"]
+        lines += [f"| {r.context} | {r.batch} | {r.kernels} | "
+                  + ", ".join(f"{op} {n}" for op, n in r.kernels_by_op.items()) + " |"
+                  for r in by_op]
     lines += ["", "## Floors", "", "| context/batch | weights GB | experts touched per MoE layer "
               "(mean of held) | KV GB | bound |", "|---|---:|---|---:|---|"]
     for key, f in res.floors.items():
@@ -87,17 +96,17 @@ def table(res: BenchResult) -> Table:
     t = Table(title=f"{res.target} ({res.phase}) on {res.gpu}, {res.layers} layers"
               + ("" if res.meaningful else " (CPU: times not meaningful)"))
     for col in ("ctx", "batch", "kernels", "ms/step", "IQR", "tok/s", "floor ms", "x floor",
-                "kern/step", "kern/layer", f"vs {first}"):
+                "kern/step", "kern/layer", "attn block", f"vs {first}"):
         t.add_column(col, justify="left" if col == "kernels" else "right")
     for r in res.rows:
         if not r.ran:
             t.add_row(str(r.context), str(r.batch), r.kernels, f"not run: {r.why}",
-                      *[""] * 7, style="dim")
+                      *[""] * 8, style="dim")
             continue
         t.add_row(str(r.context), str(r.batch), r.kernels, f"{r.median_ms:.3f}",
                   f"{r.iqr_ms:.3f}", f"{r.tokens_per_s:,.0f}", f"{r.floor_ms:.3f}",
                   f"{r.x_floor:.1f}", _f(r.kernels_per_step, "d"), _f(r.kernels_per_layer, ".0f"),
-                  _speed(r, first))
+                  _f(r.attention_block_kernels, ".1f"), _speed(r, first))
     return t
 
 

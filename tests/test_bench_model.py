@@ -65,6 +65,25 @@ def test_rows_are_served_steps_against_their_floor(bench):
     assert f3["weight_bytes"] > f1["weight_bytes"] and f3["kv_bytes"] == 3 * f1["kv_bytes"]
 
 
+@pytest.mark.slow
+def test_kernels_are_counted_per_op_and_per_attention_block(bench):
+    from autoopt.bench_model import ATTENTION_BLOCK
+
+    out, _, data = bench
+    for r in data["rows"]:
+        by_op = r["kernels_by_op"]
+        # Every op of the block launched in the labelled step, and it launches about what the
+        # counted step does (the same forward; the served step's own copies and bookkeeping
+        # around it differ by a few ops).
+        assert {"qkv_gate_proj", "attention", "gated_o_proj"} <= set(by_op), by_op
+        assert sum(by_op.values()) == pytest.approx(r["kernels_per_step"], rel=0.05), by_op
+        block = sum(n for op, n in by_op.items() if op in ATTENTION_BLOCK)
+        assert r["attention_block_kernels"] == pytest.approx(block / 4)
+        assert 0 < r["attention_block_kernels"] < r["kernels_per_layer"]
+    md = (out / "bench_model.md").read_text()
+    assert "| attention block |" in md and "Kernels per op in that step" in md
+
+
 def test_prefill_phase_and_bad_flags():
     t, batches, contexts = resolve_target(BenchModelArgs("h200-tp8-decode", phase="prefill"))
     assert (t.phase, batches, contexts) == ("prefill", (8,), (2048,))
