@@ -13,7 +13,7 @@ measures, at Beam's TP8 rank shapes (H=5120, Hq=6, Hkv=1, D=128, pages of 16):
   2. qkv_gate_proj at T = 1..64: cuBLAS (the reference), triton_v1 (tensor-core split-K GEMV)
      and triton_v2 (multiply-reduce GEMV), each at the fastest of a config sweep for T <= 16,
      against the HBM floor of the weight stream; gated_o_proj the same way: the torch
-     gate then cuBLAS (the reference), attn_output_gate/triton_v1 then cuBLAS, and the fused
+     gate then cuBLAS (the reference), attn_output_gate/triton_v2 then cuBLAS, and the fused
      template_splitk_v1.
   3. qk_norm_rope / qk_norm_ssmax with the KV write: the reference and template_rows_v2.
   4. kernels launched by one attention block at bs 1 (qkv_gate_proj .. o_proj, through the
@@ -336,7 +336,7 @@ def qkv_rows(s, device, bw: float) -> list[dict]:
 def gated_rows(s, device, bw: float) -> list[dict]:
     """gated_o_proj: the reference (torch gate, cuBLAS), the locked gate kernel then cuBLAS (what
     the tuned set runs without a fused variant) and the fused template."""
-    gate = Registry().load_variant("attn_output_gate", "triton_v1").run
+    gate = Registry().load_variant("attn_output_gate", "triton_v2").run
     composed = contract("gated_o_proj").compose({"attn_output_gate": gate})
     return gemm_rows("gated_o_proj", {"template_splitk_v1": GATED_SWEEP}, s, device, bw,
                      {"gate_kernel_cublas": composed})
@@ -370,7 +370,7 @@ def block_ops() -> OpTable:
                     "qk_norm_rope": reg.load_variant("qk_norm_rope", "template_rows_v2").run,
                     "qk_norm_ssmax": reg.load_variant("qk_norm_ssmax", "template_rows_v2").run,
                     "attention": reg.load_variant("attention", "triton_v1").run,
-                    "attn_output_gate": reg.load_variant("attn_output_gate", "triton_v1").run,
+                    "attn_output_gate": reg.load_variant("attn_output_gate", "triton_v2").run,
                     "gated_o_proj": reg.load_variant("gated_o_proj", "template_splitk_v1").run})
 
 

@@ -74,7 +74,7 @@ def test_a_fused_composite_must_beat_the_composition_of_its_locked_parts(tmp_pat
     # faster than that composition (x_selection, timed beside it by gpu_kernels.py).
     from tests.registry_support import lock_shipped
 
-    reg = lock_shipped(tmp_path / "reg", "attn_output_gate", "triton_v1", ARCH)
+    reg = lock_shipped(tmp_path / "reg", "attn_output_gate", "triton_v2", ARCH)
     shipped = Registry().variant_path("gated_o_proj", "template_splitk_v1").read_text()
 
     def fused(name: str, x_ref: tuple[float, ...], x_sel: tuple[float, ...] | None) -> None:
@@ -93,7 +93,7 @@ def test_a_fused_composite_must_beat_the_composition_of_its_locked_parts(tmp_pat
     assert script().main(["--registry", str(reg.root)]) == 0
     out = capsys.readouterr().out
     assert "slower_than_composed_v1 not accepted: x1.70 over the reference, but x0.85 over " \
-           "composed: attn_output_gate/triton_v1 + library" in out
+           "composed: attn_output_gate/triton_v2 + library" in out
     assert "never_timed_against_it_v1 not accepted" in out and "never timed against" in out
     assert "gated_o_proj" not in reg.read_lock().section(ARCH)
     fused("faster_than_both_v1", (2.0, 2.2), (1.2, 1.3))

@@ -21,20 +21,38 @@ def load_script():
     return module
 
 
+def _with_gpu_rows(root: Path, ops: tuple[str, ...], name: str) -> Registry:
+    """A copy of the shipped `ops` whose `name` records also hold an H200 timing row, as a
+    record timed on the GPU in an earlier run does."""
+    import shutil
+
+    for op in ops:
+        shutil.copytree(DEFAULT_ROOT / op, root / op)
+        path = root / op / "records" / f"{name}.json"
+        data = json.loads(path.read_text())
+        data["benchmarks"].append({"op": op, "impl": name, "shape": {"T": 1}, "median_us": 3.0,
+                                   "reference_us": 6.0, "x_reference": 2.0, "device": "cuda",
+                                   "gpu": "NVIDIA H200", "meaningful": True})
+        path.write_text(json.dumps(data, indent=2))
+    return Registry(root)
+
+
 def test_dry_run_verifies_times_and_writes_records(tmp_path, capsys):
     script = load_script()
     # Two ops (a norm and an elementwise op) keep it short; the logic is the same for all five.
-    # Both variants carry H200 rows in their committed records, which the run must keep.
-    code = script.main(["--dry-run", "--ops", "rmsnorm,attn_output_gate", "--variants",
-                        "triton_v1", "--out", str(tmp_path)])
+    # Their records hold H200 rows from an earlier run, which a CPU run must keep.
+    ops = ("rmsnorm", "attn_output_gate")
+    reg = _with_gpu_rows(tmp_path / "reg", ops, "triton_v2")
+    code = script.main(["--dry-run", "--ops", ",".join(ops), "--variants", "triton_v2",
+                        "--registry", str(reg.root), "--out", str(tmp_path / "out")])
     out = capsys.readouterr().out
     assert code == 0, out
-    out_reg = Registry(tmp_path)  # $OUT is a registry, written by the registry's own writer
-    for op in ("rmsnorm", "attn_output_gate"):
-        rec = out_reg.read_record(op, "triton_v1")
-        committed = Registry(DEFAULT_ROOT).read_record(op, "triton_v1")
+    out_reg = Registry(tmp_path / "out")  # $OUT is a registry, written by the registry's writer
+    for op in ops:
+        rec = out_reg.read_record(op, "triton_v2")
+        committed = reg.read_record(op, "triton_v2")
         assert [b for b in committed.benchmarks if b.gpu != "cpu"]  # H200 rows to keep
-        assert rec.variant.sha256 == sha256(DEFAULT_ROOT / op / "triton_v1.py")
+        assert rec.variant.sha256 == sha256(DEFAULT_ROOT / op / "triton_v2.py")
         assert rec.status == committed.status  # what the review decided is kept
         assert rec.verdicts()["cpu"] == "pass"
         assert rec.verification["sm_90"] == committed.verification["sm_90"]  # other arch kept
@@ -44,8 +62,8 @@ def test_dry_run_verifies_times_and_writes_records(tmp_path, capsys):
         # The GPU rows committed before stay: this run measured another device.
         assert [b for b in rec.benchmarks if b.gpu != "cpu"] == \
             [b for b in committed.benchmarks if b.gpu != "cpu"]
-        assert f"{op:<20} triton_v1   pass" in out
-    summary = json.loads((tmp_path / "summary.json").read_text())
+        assert f"{op:<20} triton_v2   pass" in out
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["arch"] == "cpu" and len(summary["results"]) == 2
 
 
@@ -74,13 +92,13 @@ def test_attention_is_timed_over_the_keys_the_targets_serve():
 
 def test_bench_only_times_a_variant_verified_earlier_and_keeps_its_verification(tmp_path, capsys):
     script = load_script()
-    code = script.main(["--dry-run", "--ops", "rmsnorm", "--bench-only", "rmsnorm/triton_v1",
+    code = script.main(["--dry-run", "--ops", "rmsnorm", "--bench-only", "rmsnorm/triton_v2",
                         "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "verifying 0 variants" in out  # nothing else ran
-    rec = Registry(tmp_path).read_record("rmsnorm", "triton_v1")
-    committed = Registry(DEFAULT_ROOT).read_record("rmsnorm", "triton_v1")
+    rec = Registry(tmp_path).read_record("rmsnorm", "triton_v2")
+    committed = Registry(DEFAULT_ROOT).read_record("rmsnorm", "triton_v2")
     assert rec.verification == committed.verification  # kept, not made again
     assert [b.shape["T"] for b in rec.benchmarks if b.gpu == "cpu"] == [1, 3]
 
@@ -92,27 +110,27 @@ def test_a_verdict_reaches_the_registry_before_the_timing(tmp_path, monkeypatch,
     script = load_script()
     reg_root = tmp_path / "reg"
     shutil.copytree(DEFAULT_ROOT / "rmsnorm", reg_root / "rmsnorm")
-    before = Registry(reg_root).read_record("rmsnorm", "triton_v1")
+    before = Registry(reg_root).read_record("rmsnorm", "triton_v2")
 
     def cut_off(*args, **kwargs):
         raise KeyboardInterrupt("the stage's time ran out")
 
     monkeypatch.setattr(script, "bench", cut_off)
     with pytest.raises(KeyboardInterrupt):
-        script.main(["--dry-run", "--ops", "rmsnorm", "--variants", "triton_v1",
+        script.main(["--dry-run", "--ops", "rmsnorm", "--variants", "triton_v2",
                      "--registry", str(reg_root), "--write-registry",
                      "--out", str(tmp_path / "out")])
-    rec = Registry(reg_root).read_record("rmsnorm", "triton_v1")
+    rec = Registry(reg_root).read_record("rmsnorm", "triton_v2")
     made = rec.verification["cpu"][-1]
     assert made.verdict == "pass" and made.report != before.verification["cpu"][-1].report
     # Timed in a later call: the verdict is kept and the rows join it.
     monkeypatch.undo()
     script = load_script()
-    code = script.main(["--dry-run", "--ops", "rmsnorm", "--bench-only", "rmsnorm/triton_v1",
+    code = script.main(["--dry-run", "--ops", "rmsnorm", "--bench-only", "rmsnorm/triton_v2",
                         "--registry", str(reg_root), "--write-registry",
                         "--out", str(tmp_path / "out2")])
     assert code == 0, capsys.readouterr().out
-    after = Registry(reg_root).read_record("rmsnorm", "triton_v1")
+    after = Registry(reg_root).read_record("rmsnorm", "triton_v2")
     assert after.verification == rec.verification
     assert [b.shape["T"] for b in after.benchmarks if b.gpu == "cpu"][-2:] == [1, 3]
 
@@ -131,13 +149,13 @@ def test_a_composite_is_timed_beside_the_composition_of_its_locked_parts(tmp_pat
 
     from tests.registry_support import lock_shipped
 
-    reg = lock_shipped(tmp_path / "reg", "attn_output_gate", "triton_v1", "cpu")
+    reg = lock_shipped(tmp_path / "reg", "attn_output_gate", "triton_v2", "cpu")
     args = SimpleNamespace(registry=reg.root, out=tmp_path / "out", dry_run=True, warmup=1,
                            iters=2)
     plan = [("cpu-tiny", {"T": t, "Hq": 2, "D": 32, "H": 16}) for t in (1, 3)]
     rows = [{"shape": dict(s), "median_us": 10.0} for _, s in plan]
     got = load_script().with_selection("gated_o_proj", rows, plan, "cpu", args)
-    assert [r["selection"] for r in got] == ["composed: attn_output_gate/triton_v1 + library"] * 2
+    assert [r["selection"] for r in got] == ["composed: attn_output_gate/triton_v2 + library"] * 2
     assert all(r["selection_us"] > 0 and r["x_selection"] == r["selection_us"] / 10.0
                for r in got)
     assert (args.out / "composed" / "gated_o_proj.py").is_file()
@@ -180,14 +198,14 @@ def test_timed_shapes_are_kept_when_the_stage_is_cut_off_and_dropped_when_the_ru
             raise RuntimeError("the variant attempted blocked operations: ['socket']")
 
         monkeypatch.setattr(registry_record, "bench", failing)
-    argv = ["--dry-run", "--ops", "rmsnorm", "--bench-only", "rmsnorm/triton_v1",
+    argv = ["--dry-run", "--ops", "rmsnorm", "--bench-only", "rmsnorm/triton_v2",
             "--registry", str(reg_root), "--write-registry", "--out", str(tmp_path / "out")]
     if how == "cut_off":
         with pytest.raises(KeyboardInterrupt):
             script.main(argv)
     else:
         assert script.main(argv) == 1
-    rec = Registry(reg_root).read_record("rmsnorm", "triton_v1")
+    rec = Registry(reg_root).read_record("rmsnorm", "triton_v2")
     cpu_rows = [b.shape["T"] for b in rec.benchmarks if b.gpu == "cpu"]
     assert cpu_rows == ([1] if how == "cut_off" else [])
     assert "blocked operations" in capsys.readouterr().out or how == "cut_off"

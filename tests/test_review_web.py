@@ -159,15 +159,15 @@ def test_candidate_page_shows_diff_evidence_plots_notes_and_transcript(server):
 def test_run_page_links_attempts_to_candidates_and_renders_the_report_safely(server, demo):
     _, runs = demo
     other = {"attempt": {"index": 2, "op": OP, "candidate": "a02_x", "sha256": "0" * 64,
-                         "verdict": "pass", "outcome": f"registered {OP}/triton_v1 as candidate"}}
+                         "verdict": "pass", "outcome": f"registered {OP}/triton_v2 as candidate"}}
     with (runs / RUN / "attempts.jsonl").open("a") as f:
         f.write(json.dumps(other) + "\n{ half a line")
     c = client(server)
     html = c.get(f"/runs/{RUN}").text
     assert f'href="/variant/{OP}/{NAME}"' in html
     # Another registry's variant of the same name is not this one: no link to it.
-    assert f"registered {OP}/triton_v1 as candidate" in html
-    assert f'href="/variant/{OP}/triton_v1"' not in html
+    assert f"registered {OP}/triton_v2 as candidate" in html
+    assert f'href="/variant/{OP}/triton_v2"' not in html
     assert f'src="/runs/{RUN}/files/plots/time_per_op.png"' in html
     assert "<script>" not in html and "&lt;script&gt;" in html
     assert c.get(f"/runs/{RUN}/files/plots/time_per_op.png").headers["content-type"] == \
@@ -183,9 +183,9 @@ def test_run_page_links_attempts_to_candidates_and_renders_the_report_safely(ser
 
 def test_broken_record_is_an_error_page_not_a_crash(server, demo):
     reg, _ = demo
-    reg.record_path("rmsnorm", "triton_v1").write_text("{ not json")
+    reg.record_path("rmsnorm", "triton_v2").write_text("{ not json")
     c = client(server)
-    page = c.get("/variant/rmsnorm/triton_v1")
+    page = c.get("/variant/rmsnorm/triton_v2")
     assert page.status_code == 422 and "not valid JSON" in page.text
     assert "Traceback" not in page.text
     home = c.get("/")

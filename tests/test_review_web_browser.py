@@ -147,12 +147,12 @@ def test_a_cross_site_post_without_the_csrf_token_is_refused(page, served, twin,
 
 def test_a_broken_record_shows_an_error_not_a_crash(page, twin):
     reg = twin[0]
-    reg.record_path("rmsnorm", "triton_v1").write_text('{"schema": 2, "variant": ')
+    reg.record_path("rmsnorm", "triton_v2").write_text('{"schema": 2, "variant": ')
     home = page.goto(page.url)
     assert home.status == 200
-    row = page.locator("tr[data-variant=triton_v1][data-status=broken]")
+    row = page.locator("tr[data-variant=triton_v2][data-status=broken]")
     assert row.count() == 1 and "not valid JSON" in row.inner_text()
-    response = page.goto(page.url + "variant/rmsnorm/triton_v1")
+    response = page.goto(page.url + "variant/rmsnorm/triton_v2")
     assert response.status == 422
     assert "not valid JSON" in page.locator("#error").inner_text()
     assert "Traceback" not in page.content()

@@ -24,7 +24,7 @@ from .store import Registry
 
 @dataclass(frozen=True)
 class ComposedSelection:
-    label: str  # "composed: attn_output_gate/triton_v1 + gated_o_proj's library part"
+    label: str  # "composed: attn_output_gate/triton_v2 + gated_o_proj's library part"
     source: str  # a variant module: the part's file, then the composition's `run`
     per_bucket: Mapping[str, Any]  # bucket -> the part's tuned config there (None: its default)
 

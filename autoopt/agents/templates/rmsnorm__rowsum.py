@@ -1,7 +1,7 @@
 """rmsnorm rowsum template: one program per row, in torch's CUDA reduction order.
 
 # {{HEADER}}
-Copied from the hand-written kernels/rmsnorm/triton_v1.py.
+Copied from the hand-written kernels/rmsnorm/triton_v2.py.
 
 Formula (docs/numerics.md "RMSNorm"):
     y = bf( f32(w) * ( f32(x) * rsqrt(mean(f32(x)^2) + eps) ) )
