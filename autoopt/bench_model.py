@@ -168,33 +168,34 @@ class Clock:
         self.say(f"[{time.monotonic() - self.start:6.1f} s] {name}: {took:.1f} s")
 
 
-def count_kernels(served) -> int:
-    """Kernels (CPU: top-level aten ops) one served step launches, counted in a profiled step."""
-    from .profiler.torch_trace import trace_call
-
-    trace = trace_call(served.step, served.device, ranges=False)
-    return sum(r.kind in ("kernel", "cpu") for r in trace.records)
-
-
 # The ops of one attention block (projection, Q/K norm with the cache write, attention, gate and
 # output projection): their kernels per layer are the block's launch count.
 ATTENTION_BLOCK = ("qkv_gate_proj", "qk_norm_rope", "qk_norm_ssmax", "paged_attention",
                    "attention", "attn_output_gate", "gated_o_proj")
 
 
-def count_kernels_by_op(served) -> dict[str, int]:
-    """Kernels (CPU: top-level aten ops) per op in one served step: the step the decode graph
-    captured, run eagerly inside the ops' ranges (a graph replay carries no ranges; the same
-    code launches the same kernels). Kernels outside every op's range count as `other`."""
+def count_kernels(served) -> tuple[int, dict[str, int]]:
+    """Kernels (CPU: top-level aten ops) one served step launches, in all and per op.
+
+    The total is the step as served (a graph replay where the engine captured one). Per-op counts
+    need op ranges, which a replay does not carry: the step is also run eagerly inside the ops'
+    ranges (the code the graph captured) and the replay's kernels take the ops of their matches
+    in that labelled pass (`profiler.graph_trace.align`), so the per-op counts sum to the total.
+    A replay kernel with no match counts as `other`."""
+    from .profiler.graph_trace import align
     from .profiler.torch_trace import trace_call
 
     with served.eager():
-        trace = trace_call(served.step, served.device, ranges=True)
+        labelled = trace_call(served.step, served.device, ranges=True)
+    records = labelled.records
+    if served.bucket() is not None:
+        replay = trace_call(served.step, served.device, ranges=False)
+        records = align([r for r in labelled.records if r.kind != "cpu"], replay.records).records
+    counted = [r for r in records if r.kind in ("kernel", "cpu")]
     out: dict[str, int] = {}
-    for r in trace.records:
-        if r.kind in ("kernel", "cpu"):
-            out[r.op] = out.get(r.op, 0) + 1
-    return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
+    for r in counted:
+        out[r.op] = out.get(r.op, 0) + 1
+    return len(counted), dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def attention_block_kernels(by_op: dict[str, int], layers: int) -> float | None:
@@ -241,8 +242,7 @@ def bench_batch(served, target: Target, kset: str, batch: int, iters: int, warmu
     floor = step_floor(calls, served.model, target.phase, batch, ctx, rates)
     for _ in range(warmup):
         served.step()
-    n_kernels = count_kernels(served) if count else None
-    by_op = count_kernels_by_op(served) if count else {}
+    n_kernels, by_op = count_kernels(served) if count else (None, {})
     samples = timed_steps(served.step, iters, row_s)
     med = statistics.median(samples)
     q = statistics.quantiles(samples, n=4) if len(samples) >= 4 else [med, med, med]
