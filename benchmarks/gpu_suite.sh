@@ -33,7 +33,7 @@ export AUTOOPT_CACHE=$R/cache
 
 declare -A STAGES=(
   [machine]="nvidia-smi; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'; git log -1 --format=%H 2>/dev/null || true"
-  [tests]="python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider --continue-on-collection-errors --durations=20 \$(python3 -c 'import pytest_timeout' 2>/dev/null && echo --timeout=\${GPU_TEST_TIMEOUT:-240}) \${GPU_TESTS:-tests/}"
+  [tests]="AUTOOPT_TEST_FAILURES=\$R/tests-failures.log python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider --continue-on-collection-errors --durations=20 \$(python3 -c 'import pytest_timeout' 2>/dev/null && echo --timeout=\${GPU_TEST_TIMEOUT:-240}) \${GPU_TESTS:-tests/}"
   [kernels]="python3 benchmarks/gpu_kernels.py --out \$R/kernels \${KERNELS_ARGS:-}"
   [kernels2]="python3 benchmarks/gpu_kernels.py --out \$R/kernels2 \${KERNELS2_ARGS:-}"
   [kernels3]="python3 benchmarks/gpu_kernels.py --out \$R/kernels3 \${KERNELS3_ARGS:-}"

@@ -21,6 +21,8 @@ os.environ["COLUMNS"] = "200"
 
 import pytest  # noqa: E402
 
+pytest_plugins = ["tests.failure_log"]  # AUTOOPT_TEST_FAILURES=FILE: tracebacks as they happen
+
 
 def pytest_collection_modifyitems(config, items):
     if _HAS_CUDA:

@@ -443,11 +443,13 @@ def test_the_fused_template_is_triton_v1s_program() -> None:
 
 
 def _distinct_experts(w: torch.Tensor) -> bool:
-    """No two experts equal or proportional (one row's ratio is enough to tell)."""
-    rows = w[:, 0, :].float()
+    """No two experts equal or proportional. A scaled copy scales each row by its own factor,
+    so one row of it IS proportional to the original's (BF16 rounding alone then decides a
+    cosine of 1 - 1e-6); the first eight rows together are not (cosine ~0.98 at most)."""
+    rows = w[:, :8, :].reshape(len(w), -1).float()
     unit = rows / rows.norm(dim=-1, keepdim=True)
     cos = unit @ unit.T
-    return bool((cos - torch.eye(len(w), device=w.device)).abs().max() < 1 - 1e-6)
+    return bool((cos - torch.eye(len(w), device=w.device)).abs().max() < 0.999)
 
 
 def test_expert_weights_on_the_cpu_are_distinct_and_reproducible() -> None:

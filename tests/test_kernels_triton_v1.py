@@ -237,7 +237,7 @@ def _gpu_cases(op: str, tokens: int):
 
     cfg = preset("beam-1.0-501b")
     shape = CONTRACTS[op].shapes_for(cfg, tokens, cfg.shard(8))
-    mod = Registry().load_variant(op, "triton_v1")
+    mod = Registry().load_variant(op, HAND.get(op, "triton_v1"))
     for seed in (0, 1, 2):
         args = CONTRACTS[op].make_inputs(shape, seed, device="cuda")
         yield as_tuple(mod.run(*args)), as_tuple(CONTRACTS[op].reference(*args))
