@@ -35,7 +35,7 @@ SHAPES = {
 CASES = [(op, shape, seed) for op in OPS for shape in SHAPES[op] for seed in (0, 1)]
 # Where triton_v1 is retired, its successor with the same kernel (only the docstring changed).
 HAND = {"norm_residual_norm": "triton_v2", "swiglu": "triton_v2", "rmsnorm": "triton_v2",
-        "attn_output_gate": "triton_v2"}
+        "attn_output_gate": "triton_v2", "logit_softcap": "triton_v2"}
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from model.weights import load_model
 
 # An accepted hand-written Triton variant of each op (its first, where that is still shipped).
 HAND = {"rmsnorm": "triton_v2", "norm_residual_norm": "triton_v3", "attn_output_gate": "triton_v2",
-        "swiglu": "triton_v2", "logit_softcap": "triton_v1"}
+        "swiglu": "triton_v2", "logit_softcap": "triton_v2"}
 TRITON_OPS = tuple(HAND)
 
 
