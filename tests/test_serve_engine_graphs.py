@@ -118,3 +118,83 @@ def test_generation_through_the_graph_path_equals_eager(tmp_path) -> None:
     graphs.run = lambda chunks, replay=None: calls.append(len(chunks)) or run(chunks, replay)
     assert [r.token_ids for r in eng.generate(prompts, params)] == plain
     assert len(calls) > 10 and max(calls) == 5
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_static_page_tables_follow_the_cache_as_sequences_come_and_go(seed: int) -> None:
+    """`DecodeGraphs.load` keeps the host full-attention table from step to step and writes only
+    what changed: after every step of a random schedule (decodes, sequences joining, finishing,
+    preempted and re-admitted under the same id, rows reordered, the batch shrinking into a
+    padded bucket) the static tables equal ones built from the cache's page lists."""
+    from types import SimpleNamespace
+
+    from model.serve.engine.kv_cache import KVLayout, PagedKVCache
+    from model.serve.paged_attention import pad_rows
+
+    layout = KVLayout((0, 2), (1,), window=7, page_size=4, num_kv_heads=1, head_dim=2,
+                      dtype=torch.float32)
+    cache = PagedKVCache(layout, num_full_pages=400, num_swa_pages=200)
+    graphs = DecodeGraphs(SimpleNamespace(cache=cache, device=torch.device("cpu"),
+                                          max_model_len=120), max_num_seqs=8)
+    rng = torch.Generator().manual_seed(seed)
+
+    def draw(n: int) -> int:
+        return int(torch.randint(0, n, (1,), generator=rng))
+
+    def admit(seq_id: int, n: int) -> None:
+        cache.allocate(seq_id, n)
+        cache.trim(seq_id)
+
+    live: list[int] = []
+    next_id = 0
+    rewrites = 0
+    for _step in range(60):
+        op = draw(10)
+        if (op < 2 or not live) and len(live) < 8:
+            admit(next_id, 1 + draw(40))
+            live.append(next_id)
+            next_id += 1
+        elif op == 2 and len(live) > 1:
+            cache.free(live.pop(draw(len(live))))
+        elif op == 3:  # preempted, then re-admitted with its tokens recomputed (new pages)
+            s = live[draw(len(live))]
+            n = cache.length(s)
+            cache.free(s)
+            admit(s, n)
+        elif op == 4:
+            live = [live[i] for i in torch.randperm(len(live), generator=rng).tolist()]
+        for s in live:  # this step's decode token
+            if cache.length(s) < 118:
+                admit(s, 1)
+        chunks = [SimpleNamespace(seq_id=s, start=cache.length(s) - 1, num_tokens=1,
+                                  token_ids=[7]) for s in live]
+        before = graphs._full_host.clone()
+        b = graphs.load(chunks)
+        rewrites += int((graphs._full_host != before).any(dim=1).sum())
+        tables = [cache.page_tables(s) for s in live]
+        want_full = pad_rows([t[0] for t in tables], graphs.full_width)
+        want_full += [[0] * graphs.full_width] * (b - len(live))
+        want_swa = pad_rows([t[1] for t in tables], graphs.swa_width)
+        want_swa += [[0] * graphs.swa_width] * (b - len(live))
+        assert graphs.full_table[:b].tolist() == want_full
+        assert graphs.swa_table[:b].tolist() == want_swa
+        assert graphs.swa_base[:len(live)].tolist() == [t[2] for t in tables]
+        assert graphs.full_write[:len(live)].tolist() == [
+            cache.slots(s, "full", cache.length(s) - 1, cache.length(s))[0] for s in live]
+    assert next_id > 3 and rewrites > 0
+
+
+def test_a_page_table_too_wide_for_the_graphs_is_refused() -> None:
+    from types import SimpleNamespace
+
+    from model.serve.engine.kv_cache import KVLayout, PagedKVCache
+
+    layout = KVLayout((0,), (), window=0, page_size=4, num_kv_heads=1, head_dim=2,
+                      dtype=torch.float32)
+    cache = PagedKVCache(layout, num_full_pages=40, num_swa_pages=0)
+    graphs = DecodeGraphs(SimpleNamespace(cache=cache, device=torch.device("cpu"),
+                                          max_model_len=16), max_num_seqs=2)
+    cache.allocate(0, 30)  # 8 pages; the graphs' tables hold 4
+    chunk = SimpleNamespace(seq_id=0, start=29, num_tokens=1, token_ids=[1])
+    with pytest.raises(ValueError, match="does not fit width 4"):
+        graphs.load([chunk])

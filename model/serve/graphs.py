@@ -22,7 +22,7 @@ import torch
 
 from ..ops import OpTable
 from .engine.kv_cache import FULL, SWA
-from .paged_attention import PagedBatch, PoolMeta
+from .paged_attention import PagedBatch, PoolMeta, pad_rows
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,12 @@ class DecodeGraphs:
         self.swa_base = torch.zeros(b, dtype=torch.long, device=dev)
         self.full_base = torch.zeros(b, dtype=torch.long, device=dev)  # stays 0
         self.q_seq = torch.arange(b, dtype=torch.long, device=dev)  # row r is sequence r
+        # The full-attention tables on the host, kept from step to step: a decode step appends
+        # at most one page to a sequence, so a row is rewritten only when its sequence changes
+        # (rebuilding [b, full_width] from Python lists costs ~25 ms at 32 x 100k tokens).
+        # `_full_rows[r]` is (the page list row r was written from, entries written from it).
+        self._full_host = torch.zeros(b, self.full_width, dtype=torch.long)
+        self._full_rows: list[tuple[list[int], int] | None] = [None] * b
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.ready = False
@@ -85,7 +91,11 @@ class DecodeGraphs:
         """Copy the step's inputs into the static buffers; padded rows use page 0 only."""
         n, b = len(chunks), self.bucket(len(chunks))
         cache = self.runner.cache
-        full, swa, base = self.runner.decode_meta(chunks, self.full_width, self.swa_width)
+        tables = [cache.page_tables(c.seq_id) for c in chunks]
+        if any(len(t[0]) > self.full_width for t in tables):
+            raise ValueError(f"a page-table row of {max(len(t[0]) for t in tables)} pages does "
+                             f"not fit width {self.full_width}")
+        swa = pad_rows([t[1] for t in tables], self.swa_width)
         pad = b - n
         pos = [c.start for c in chunks]
         rows = {
@@ -94,13 +104,32 @@ class DecodeGraphs:
             self.full_write: [cache.slots(c.seq_id, FULL, p, p + 1)[0]
                               for c, p in zip(chunks, pos)],
             self.swa_write: [cache.slots(c.seq_id, SWA, p, p + 1)[0] for c, p in zip(chunks, pos)],
-            self.swa_base: base,
+            self.swa_base: [t[2] for t in tables],
         }
         for buf, values in rows.items():
             buf[:b].copy_(torch.tensor(values + [0] * pad, dtype=torch.long))
-        self.full_table[:b].copy_(torch.tensor(full + [[0] * self.full_width] * pad))
+        for r in range(b):
+            self._load_full_row(r, tables[r][0] if r < n else None)
+        self.full_table[:b].copy_(self._full_host[:b])
         self.swa_table[:b].copy_(torch.tensor(swa + [[0] * self.swa_width] * pad))
         return b
+
+    def _load_full_row(self, r: int, pages: list[int] | None) -> None:
+        """Row r of the host full table := `pages` padded with 0 (None: all 0). A sequence's
+        full page list only grows while it lives (a freed or preempted sequence gets a new
+        list), so the same list object as last step needs only its new entries."""
+        held = self._full_rows[r]
+        host = self._full_host[r]
+        if held is not None and pages is not None and held[0] is pages and held[1] <= len(pages):
+            if len(pages) > held[1]:
+                host[held[1]:len(pages)] = torch.tensor(pages[held[1]:], dtype=torch.long)
+        else:
+            if pages:
+                host[:len(pages)] = torch.tensor(pages, dtype=torch.long)
+            written = held[1] if held is not None else self.full_width
+            if written > len(pages or ()):
+                host[len(pages or ()):written] = 0
+        self._full_rows[r] = (pages, len(pages)) if pages is not None else None
 
     @torch.no_grad()
     def run(self, chunks: Sequence, replay: bool | None = None) -> torch.Tensor:

@@ -111,7 +111,9 @@ class PagePool:
 @dataclass
 class SeqPages:
     length: int = 0  # tokens covered
-    full: list[int] = field(default_factory=list)  # page of logical page i
+    # Page of logical page i. Only ever extended while the sequence lives (free() drops the
+    # whole object): DecodeGraphs rewrites a static table row only from a new list or new tail.
+    full: list[int] = field(default_factory=list)
     swa: list[int] = field(default_factory=list)  # page of logical page swa_first + i
     swa_first: int = 0
 
