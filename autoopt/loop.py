@@ -318,7 +318,7 @@ def _profile(args: OptimizeArgs, target: Any, state: RunState, batches: tuple[in
                       f"profile_before_b{prof.batch}")
         say(f"batch {prof.batch}: " + "; ".join(summary(prof)[:2]))
         by_batch[str(prof.batch)] = {"rows": prof.to_dict()["rows"], "step_us": prof.step_us,
-                                     "floor_us": prof.floor_us,
+                                     "floor_us": prof.floor_us, "context": prof.context,
                                      "graph_step_us": prof.graph_step_us}
     first = profiles[0]
     state.update(profile={"kernels": "tuned", "rows": by_batch[str(first.batch)]["rows"],

@@ -180,8 +180,13 @@ def headline_lines(state: Any) -> list[str]:
             rows = {r["kernels"]: r for r in data["rows"] if (r["batch"], r["context"]) == (b, c)}
             floor = next((r["floor_ms"] for r in rows.values() if r["ran"]), None)
             cells = [f"{rows[k]['median_ms']:.3f} ({rows[k]['x_floor']:.1f}x)"
+                     + (", eager" if not cpu and rows[k].get("graph_bucket") is None else "")
                      if k in rows and rows[k]["ran"] else "not run" for k in sets]
             out.append(f"| {b} | {c} | {_fmt(floor, '.3f')} | " + " | ".join(cells) + " |")
+        if any(not cpu and r["ran"] and r.get("graph_bucket") is None for r in data["rows"]):
+            out += ["", "eager: that step was not replayed from a CUDA graph (its capture failed "
+                    "or was not possible; e2e/bench_model.md's notes say why), so it is slower "
+                    "than the step a server would run."]
         return out
     by_batch = (state.data.get("profile") or {}).get("by_batch") or {}
     if not by_batch:
@@ -195,6 +200,35 @@ def headline_lines(state: Any) -> list[str]:
         out.append(f"| {b} | {p['step_us'] / 1e3:.3f} | {_fmt(floor_ms, '.3f')} | "
                    f"{_fmt(x, '.1f')} |")
     return out
+
+
+def time_split_lines(state: Any) -> list[str]:
+    """Where each profiled step's time went: kernels, the device idle inside the CUDA graph,
+    and the host's share outside it (input copies, scheduling, sampling), which no kernel
+    removes."""
+    from .profiler.attribution import GRAPH_IDLE, IDLE, OUTSIDE
+
+    by_batch = (state.data.get("profile") or {}).get("by_batch") or {}
+    if not by_batch:
+        return []
+    out = ["## Where the served step's time goes (profile of the tuned set)", "",
+           "| batch | context | step ms | kernels ms | idle in the graph ms | "
+           "outside the graph ms (share) |", "|---:|---:|---:|---:|---:|---:|"]
+    for b, p in sorted(by_batch.items(), key=lambda kv: int(kv[0])):
+        lines = {r["op"]: r["time_us"] for r in p["rows"] if r["op"] in (GRAPH_IDLE, IDLE,
+                                                                          OUTSIDE)}
+        kernels = sum(r["time_us"] for r in p["rows"] if r["op"] not in lines)
+        step = p["step_us"]
+        outside = lines.get(OUTSIDE)
+        share = f" ({100 * outside / step:.0f}%)" if outside is not None and step else ""
+        out.append(f"| {b} | {p.get('context', '-')} | {step / 1e3:.3f} | {kernels / 1e3:.3f} | "
+                   f"{_fmt(_ms(lines.get(GRAPH_IDLE, lines.get(IDLE))), '.3f')} | "
+                   f"{_fmt(_ms(outside), '.3f')}{share} |")
+    return out + [""]
+
+
+def _ms(us: float | None) -> float | None:
+    return us / 1e3 if us is not None else None
 
 
 def write_report(state: Any, ctx: Any) -> Path:
@@ -212,6 +246,7 @@ def write_report(state: Any, ctx: Any) -> Path:
              f"{', '.join((prof.get('by_batch') or {}).keys())}, {prof.get('layers')} layers, "
              f"backend {prof.get('backend')}.", ""]
     lines += _plan_lines(d.get("plan"))
+    lines += time_split_lines(state)
     if cpu:
         lines += ["**CPU run: speed was not judged.** On the CPU (Triton interpreter) nothing is "
                   "timed: every verified candidate was registered as `candidate` (never "

@@ -351,3 +351,54 @@ def test_an_op_whose_evaluation_cannot_fit_is_not_started_and_one_that_can_gets_
     # Timing is the candidate's and the baseline's, per token bucket: eight buckets of decode
     # attention at a 100k-token context took more than 30 s for the baseline alone on an H200.
     assert loop.timing_seconds(8) >= 60 and loop.timing_seconds(8) == 8 * loop.timing_seconds(1)
+
+
+def _gpu_state(tmp_path: Path, e2e_rows: list[dict] | None = None):
+    """A finished GPU run's state as the report reads it (profile by batch, e2e bench JSON)."""
+    from types import SimpleNamespace
+
+    from autoopt.profiler.attribution import GRAPH_IDLE, OUTSIDE
+
+    def rows(kernel_us: float, idle_us: float, outside_us: float) -> list[dict]:
+        return [{"op": "moe_experts", "time_us": 0.75 * kernel_us},
+                {"op": "attention", "time_us": 0.25 * kernel_us},
+                {"op": GRAPH_IDLE, "time_us": idle_us}, {"op": OUTSIDE, "time_us": outside_us}]
+
+    by_batch = {"1": {"rows": rows(4000, 300, 1500), "step_us": 5800, "floor_us": 1400,
+                      "context": 100000},
+                "32": {"rows": rows(29000, 400, 46000), "step_us": 75400, "floor_us": 19000}}
+    data = {"profile": {"by_batch": by_batch, "meaningful": True}}
+    if e2e_rows is not None:
+        path = tmp_path / "bench_model.json"
+        path.write_text(json.dumps({"kernels": ["reference-graphs", "tuned"], "gpu": "H200",
+                                    "layers": 52, "rows": e2e_rows}))
+        data["e2e"] = {"ran": True, "json": str(path)}
+    return SimpleNamespace(data=data)
+
+
+def test_report_splits_each_step_into_kernels_graph_idle_and_host(tmp_path):
+    from autoopt.report import time_split_lines
+
+    lines = time_split_lines(_gpu_state(tmp_path))
+    assert lines[0].startswith("## Where the served step's time goes")
+    assert "| 1 | 100000 | 5.800 | 4.000 | 0.300 | 1.500 (26%) |" in lines
+    # An older run's state has no context per batch: a dash, not a guess.
+    assert "| 32 | - | 75.400 | 29.000 | 0.400 | 46.000 (61%) |" in lines
+    assert time_split_lines(type("S", (), {"data": {}})()) == []
+
+
+def test_report_headline_marks_a_step_that_was_not_replayed_from_a_graph(tmp_path):
+    from autoopt.report import headline_lines
+
+    def row(kset: str, ms: float, bucket: int | None) -> dict:
+        return {"batch": 32, "context": 100000, "kernels": kset, "ran": True, "median_ms": ms,
+                "x_floor": ms / 19.0, "floor_ms": 19.0, "graph_bucket": bucket}
+
+    out = headline_lines(_gpu_state(tmp_path, [row("reference-graphs", 213.6, None),
+                                               row("tuned", 67.3, 32)]))
+    line = next(s for s in out if s.startswith("| 32 |"))
+    assert "213.600 (11.2x), eager" in line and "67.300 (3.5x) |" in line
+    assert any(s.startswith("eager: that step was not replayed") for s in out)
+    out = headline_lines(_gpu_state(tmp_path, [row("reference-graphs", 80.0, 32),
+                                               row("tuned", 67.3, 32)]))
+    assert not any("eager" in s for s in out)
