@@ -120,6 +120,11 @@ def test_other_row_only_holds_unranged_work(prof):
     assert len(other) <= 1
     if other:
         assert other[0].share < 5.0
+    # The unranged kernels are named in the checks, counted as the row counts them.
+    by_name = prof.checks["unlabelled_by_name"]
+    assert sum(by_name.values()) <= prof.checks["unlabelled_kernels"]
+    assert prof.checks["unlabelled_kernels"] == (other[0].kernels if other else 0)
+    assert all(isinstance(n, str) and k > 0 for n, k in by_name.items())
 
 
 def test_prefill_step_on_cpu(tmp_path):

@@ -19,6 +19,7 @@ import dataclasses
 import platform
 import statistics
 import subprocess
+from collections import Counter
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -220,7 +221,10 @@ def _profile_one(t: Target, served, batch: int, layers: int, kernels: str, seed:
     floor = step_floor(calls, served.model, t.phase, batch, served.shape.context, rates)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     checks["kernel_time_vs_step"] = kernel_us / step_us if step_us else None
-    checks["unlabelled_kernels"] = sum(r.op == OTHER for r in records)
+    unlabelled = Counter(r.name for r in records if r.op == OTHER)
+    checks["unlabelled_kernels"] = sum(unlabelled.values())
+    # What runs outside every op's range, by name: work no op owns, so no agent is asked for it.
+    checks["unlabelled_by_name"] = dict(unlabelled.most_common(12))
     return Profile(
         target=t.name, phase=t.phase, batch=batch, context=served.shape.context, layers=layers,
         kernels=kernels, backend="torch", backend_note="torch.profiler" + (
