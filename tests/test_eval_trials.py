@@ -698,6 +698,24 @@ def test_the_marathon_comes_early_and_can_be_switched_off():
         Budget(marathon_s=(2.0, 1.0))
 
 
+def test_every_recheck_follows_a_later_call_at_its_shape_when_the_plan_has_one():
+    # A buffer reused per shape is caught by a recheck only after another first call at that
+    # shape: the last case of a shape has none, and a plan that drew only such cases for its
+    # rechecks once let a reused-buffer cheat through.
+    c = contract("swiglu")
+    targets = default_targets("cpu")
+    for n in range(40):
+        secret = Secret(bytes([n]) * 16)
+        plan = plan_shapes(c, "cpu", targets, None, SMALL, secret)
+        specs, steps = build_steps(plan, SMALL, secret)
+        rechecks = [(i, k) for i, (kind, k) in enumerate(steps) if kind == "recheck"]
+        assert rechecks
+        for i, k in rechecks:
+            first = steps.index(("first", k))
+            between = [m for kind, m in steps[first + 1:i] if kind == "first"]
+            assert any(specs[m][0] == specs[k][0] for m in between), (n, k, specs[k][0])
+
+
 def test_a_candidate_that_raises_in_the_marathon_is_rejected_for_it():
     calls = [0]
 

@@ -232,10 +232,16 @@ def test_cpu_reports_races_not_checked(tmp_path):
     assert rep.checks["races"]["racecheck"] == "not checked (no GPU)"
     # Where the trials' time went, kind by kind: each part of the whole, all of it measured.
     spent = rep.checks["judge_time_s"]
-    assert set(spent) == {"trials", "inputs", "reference", "near_misses", "transfers", "calls"}
-    parts = [spent[k] for k in spent if k != "trials"]
+    assert set(spent) == {"trials", "inputs", "reference", "near_misses", "transfers", "calls",
+                          "by_step"}
+    parts = [spent[k] for k in spent if k not in ("trials", "by_step")]
     assert all(v >= 0 for v in parts) and spent["calls"] > 0 and spent["transfers"] > 0
     assert spent["reference"] > 0 and sum(parts) <= spent["trials"] + 0.05
+    # And step kind by step kind, largest first: together they are the trials' wall time.
+    steps = spent["by_step"]
+    assert {"first", "repeat"} <= set(steps) and list(steps.values()) == sorted(
+        steps.values(), reverse=True)
+    assert sum(steps.values()) == pytest.approx(spent["trials"], abs=0.05 + 0.01 * len(steps))
 
 
 FAKE_SANITIZER = '''#!/usr/bin/env bash

@@ -186,12 +186,16 @@ def _session(report: Any, c: Any, w: Worker, text: bytes, plan: ShapePlan, budge
     t0 = time.monotonic()
     burst = run_steps(j, specs, steps, budget, s)
     took = time.monotonic() - t0
+    by_step = dict(sorted(((k, round(v, 2)) for k, v in j.by_step.items()),
+                          key=lambda kv: -kv[1]))
     report.checks["judge_time_s"] = {"trials": round(took, 2),
-                                     **{k: round(v, 4) for k, v in j.spent.items()}}
+                                     **{k: round(v, 4) for k, v in j.spent.items()},
+                                     "by_step": by_step}
     log.info("%s: %d steps, %d calls in %.0f s (inputs %.0f s, reference %.0f s, near misses "
-             "%.0f s, transfers %.0f s, candidate calls %.0f s)", c.name, len(steps), j.calls,
-             took, *(j.spent[k] for k in ("inputs", "reference", "near_misses", "transfers",
-                                          "calls")))
+             "%.0f s, transfers %.0f s, candidate calls %.0f s; by step: %s)", c.name,
+             len(steps), j.calls, took,
+             *(j.spent[k] for k in ("inputs", "reference", "near_misses", "transfers", "calls")),
+             ", ".join(f"{k} {v:.0f} s" for k, v in list(by_step.items())[:5]))
     reasons = j.findings.reasons()
     if not j.per_shape and not reasons:
         reasons.append("no trial completed (no shapes given)")

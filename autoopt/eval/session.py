@@ -12,6 +12,7 @@ candidate cannot count its way to the calls that are judged.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -55,12 +56,15 @@ def build_steps(plan: ShapePlan, budget: Budget, secret: Secret) -> tuple[list, 
             if k is not None:
                 for kind in ("shuffled_random", "shuffled_reverse"):
                     _insert_after(steps, ("first", k), (kind, k), rng)
-    shared = [k for k in plain if sum(specs[m][0] == specs[k][0] for m in plain) > 1]
-    for k in rng.sample(shared or plain, min(budget.rechecks, len(shared or plain))):
-        # After a later call at the same shape where there is one: a buffer the op reuses per
-        # shape is overwritten by then.
-        same = [m for m in plain if m != k and specs[m][0] == specs[k][0]
+    def later_same(k: int) -> list[int]:
+        return [m for m in plain if m != k and specs[m][0] == specs[k][0]
                 and steps.index(("first", m)) > steps.index(("first", k))]
+
+    # Rechecked: cases with a later first call at the same shape where there are such, so that a
+    # buffer the op reuses per shape is overwritten by then (the last case of a shape has none).
+    shared = [k for k in plain if later_same(k)]
+    for k in rng.sample(shared or plain, min(budget.rechecks, len(shared or plain))):
+        same = later_same(k)
         anchor = ("first", max(same, key=lambda m: steps.index(("first", m)))) if same else \
             ("first", k)
         _insert_after(steps, anchor, ("recheck", k), rng, gap=0 if same else 1)
@@ -106,39 +110,51 @@ def run_steps(j: Judge, specs: list, steps: list[tuple], budget: Budget,
     burst_info: dict[str, Any] = {}
     for n, step in enumerate(steps):
         kind, arg = step
-        if kind == "burst":
-            seeds = [secret.seed() for _ in range(budget.burst_sets)]
-            samples = secret.rng.sample(range(len(seeds)), min(budget.burst_samples, len(seeds)))
-            burst_info = fu.burst(j, arg, seeds, budget.burst_reps, samples,
-                                  budget.burst_bytes)
-            continue
-        if kind == "marathon":
-            lo, hi = budget.marathon_s
-            j.marathon = fu.marathon(j, arg, [secret.seed() for _ in range(3)],
-                                     calls=secret.tokens(max(1, budget.marathon_calls // 10),
-                                                         budget.marathon_calls),
-                                     time_s=secret.rng.uniform(lo, hi),
-                                     max_bytes=budget.burst_bytes)
-            continue
-        if kind == "first":
-            shape, seed, edge = specs[arg]
-            cases[arg] = case = j.make_case(shape, seed, edge)
-            if case is not None:
-                j.first_call(case)
-                if arg not in needs_inputs and last.get(arg) != n and case.handle:
-                    # Only rechecks of its output follow: its inputs (a MoE rank's are ~9 GiB)
-                    # are freed now, in the worker and here; the output stays for the recheck.
-                    j.drop([case.handle], [])
-                    case.handle, case.args = None, ()
-        else:
-            case = cases.get(arg)
-            if case is not None and case.first is not None:
-                _FOLLOW[kind](j, case, secret)
-        if last.get(arg) == n and (case := cases.get(arg)) is not None and \
-                (case.handle or case.out_id):
-            j.drop([case.handle] if case.handle else [], [case.out_id] if case.out_id else [])
-            case.args = case.ref = ()  # free the judge's copies too
-            case.near, case.first, case.alt = {}, None, None
+        t0 = time.perf_counter()
+        try:
+            burst_info = _run_step(j, specs, steps, budget, secret, cases, last, needs_inputs,
+                                   n, burst_info)
+        finally:
+            j.by_step[kind] = j.by_step.get(kind, 0.0) + time.perf_counter() - t0
+    return burst_info
+
+
+def _run_step(j: Judge, specs: list, steps: list[tuple], budget: Budget, secret: Secret,
+              cases: dict, last: dict, needs_inputs: set[int], n: int,
+              burst_info: dict[str, Any]) -> dict[str, Any]:
+    """Step n of `run_steps` (its wall time is counted by kind in `j.by_step`)."""
+    kind, arg = steps[n]
+    if kind == "burst":
+        seeds = [secret.seed() for _ in range(budget.burst_sets)]
+        samples = secret.rng.sample(range(len(seeds)), min(budget.burst_samples, len(seeds)))
+        return fu.burst(j, arg, seeds, budget.burst_reps, samples, budget.burst_bytes)
+    if kind == "marathon":
+        lo, hi = budget.marathon_s
+        j.marathon = fu.marathon(j, arg, [secret.seed() for _ in range(3)],
+                                 calls=secret.tokens(max(1, budget.marathon_calls // 10),
+                                                     budget.marathon_calls),
+                                 time_s=secret.rng.uniform(lo, hi),
+                                 max_bytes=budget.burst_bytes)
+        return burst_info
+    if kind == "first":
+        shape, seed, edge = specs[arg]
+        cases[arg] = case = j.make_case(shape, seed, edge)
+        if case is not None:
+            j.first_call(case)
+            if arg not in needs_inputs and last.get(arg) != n and case.handle:
+                # Only rechecks of its output follow: its inputs (a MoE rank's are ~9 GiB)
+                # are freed now, in the worker and here; the output stays for the recheck.
+                j.drop([case.handle], [])
+                case.handle, case.args = None, ()
+    else:
+        case = cases.get(arg)
+        if case is not None and case.first is not None:
+            _FOLLOW[kind](j, case, secret)
+    if last.get(arg) == n and (case := cases.get(arg)) is not None and \
+            (case.handle or case.out_id):
+        j.drop([case.handle] if case.handle else [], [case.out_id] if case.out_id else [])
+        case.args = case.ref = ()  # free the judge's copies too
+        case.near, case.first, case.alt = {}, None, None
     return burst_info
 
 

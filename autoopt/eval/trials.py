@@ -169,6 +169,7 @@ class Judge:
         # Seconds by kind of work (inputs drawn, reference, near misses, transfers to the worker,
         # candidate calls with their outputs back): where a slow judge spends its time.
         self.spent: dict[str, float] = dict.fromkeys(SPENT, 0.0)
+        self.by_step: dict[str, float] = {}  # wall seconds by step kind (session.run_steps)
         self.marathon: dict[str, Any] = {}  # what the run's marathon did (followups.marathon)
         self.state_checks: list[dict] = []  # followups.keeps_state: the cases, what was digested
         self._ids = 0
