@@ -212,8 +212,8 @@ def time_split_lines(state: Any) -> list[str]:
     if not by_batch:
         return []
     out = ["## Where the served step's time goes (profile of the tuned set)", "",
-           "| batch | context | step ms | kernels ms | idle in the graph ms | "
-           "outside the graph ms (share) |", "|---:|---:|---:|---:|---:|---:|"]
+           "| batch | context | step ms | kernels ms | idle ms | outside the graph ms (share) |",
+           "|---:|---:|---:|---:|---:|---:|"]
     for b, p in sorted(by_batch.items(), key=lambda kv: int(kv[0])):
         lines = {r["op"]: r["time_us"] for r in p["rows"] if r["op"] in (GRAPH_IDLE, IDLE,
                                                                           OUTSIDE)}
@@ -224,7 +224,9 @@ def time_split_lines(state: Any) -> list[str]:
         out.append(f"| {b} | {p.get('context', '-')} | {step / 1e3:.3f} | {kernels / 1e3:.3f} | "
                    f"{_fmt(_ms(lines.get(GRAPH_IDLE, lines.get(IDLE))), '.3f')} | "
                    f"{_fmt(_ms(outside), '.3f')}{share} |")
-    return out + [""]
+    return out + ["", "idle: the gaps between the graph's kernels where the step was replayed "
+                  "from a CUDA graph; between ops where it ran eagerly (there the host's time "
+                  "is inside the step, and there is no outside column).", ""]
 
 
 def _ms(us: float | None) -> float | None:

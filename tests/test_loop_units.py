@@ -384,7 +384,16 @@ def test_report_splits_each_step_into_kernels_graph_idle_and_host(tmp_path):
     assert "| 1 | 100000 | 5.800 | 4.000 | 0.300 | 1.500 (26%) |" in lines
     # An older run's state has no context per batch: a dash, not a guess.
     assert "| 32 | - | 75.400 | 29.000 | 0.400 | 46.000 (61%) |" in lines
+    assert any(s.startswith("idle: the gaps between the graph's kernels") for s in lines)
     assert time_split_lines(type("S", (), {"data": {}})()) == []
+    # An eager step (the CPU's): its idle line is the gaps between ops, and nothing is outside.
+    from autoopt.profiler.attribution import IDLE
+
+    eager = _gpu_state(tmp_path)
+    eager.data["profile"]["by_batch"] = {"3": {"rows": [
+        {"op": "moe_experts", "time_us": 13000.0}, {"op": IDLE, "time_us": 9200.0}],
+        "step_us": 22200.0, "floor_us": 45.8, "context": 40}}
+    assert "| 3 | 40 | 22.200 | 13.000 | 9.200 | - |" in time_split_lines(eager)
 
 
 def test_report_headline_marks_a_step_that_was_not_replayed_from_a_graph(tmp_path):
