@@ -681,13 +681,18 @@ def test_a_marathon_early_in_the_run_shows_what_a_candidate_does_after_many_call
     assert reasons == [] and j.marathon["calls"] >= 1 and j.marathon["shape"].startswith("T=")
 
 
+def _swiglu_plans(n: int):
+    """(specs, steps) of `n` CPU runs of swiglu at the SMALL budget, one per fixed secret."""
+    c, targets = contract("swiglu"), default_targets("cpu")
+    for k in range(n):
+        secret = Secret(bytes([k]) * 16)
+        yield build_steps(plan_shapes(c, "cpu", targets, None, SMALL, secret), SMALL, secret)
+
+
 def test_the_marathon_comes_early_and_can_be_switched_off():
     c = contract("swiglu")
     targets = default_targets("cpu")
-    for n in range(20):
-        secret = Secret(bytes([n]) * 16)
-        plan = plan_shapes(c, "cpu", targets, None, SMALL, secret)
-        steps = build_steps(plan, SMALL, secret)[1]
+    for _, steps in _swiglu_plans(20):
         at = [k for k, (kind, _) in enumerate(steps) if kind == "marathon"]
         judged = sum(kind == "first" for kind, _ in steps)
         assert len(at) == 1 and sum(kind == "first" for kind, _ in steps[at[0]:]) >= judged // 2
@@ -702,12 +707,7 @@ def test_every_recheck_follows_a_later_call_at_its_shape_when_the_plan_has_one()
     # A buffer reused per shape is caught by a recheck only after another first call at that
     # shape: the last case of a shape has none, and a plan that drew only such cases for its
     # rechecks once let a reused-buffer cheat through.
-    c = contract("swiglu")
-    targets = default_targets("cpu")
-    for n in range(40):
-        secret = Secret(bytes([n]) * 16)
-        plan = plan_shapes(c, "cpu", targets, None, SMALL, secret)
-        specs, steps = build_steps(plan, SMALL, secret)
+    for n, (specs, steps) in enumerate(_swiglu_plans(40)):
         rechecks = [(i, k) for i, (kind, k) in enumerate(steps) if kind == "recheck"]
         assert rechecks
         for i, k in rechecks:
