@@ -22,7 +22,7 @@ import torch
 
 from ..ops import OpTable
 from .engine.kv_cache import FULL, SWA
-from .paged_attention import PagedBatch, PoolMeta, pad_rows
+from .paged_attention import PagedBatch, PoolMeta, check_width, pad_rows
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +92,7 @@ class DecodeGraphs:
         n, b = len(chunks), self.bucket(len(chunks))
         cache = self.runner.cache
         tables = [cache.page_tables(c.seq_id) for c in chunks]
-        if any(len(t[0]) > self.full_width for t in tables):
-            raise ValueError(f"a page-table row of {max(len(t[0]) for t in tables)} pages does "
-                             f"not fit width {self.full_width}")
+        check_width([t[0] for t in tables], self.full_width)
         swa = pad_rows([t[1] for t in tables], self.swa_width)
         pad = b - n
         pos = [c.start for c in chunks]
@@ -117,19 +115,20 @@ class DecodeGraphs:
     def _load_full_row(self, r: int, pages: list[int] | None) -> None:
         """Row r of the host full table := `pages` padded with 0 (None: all 0). A sequence's
         full page list only grows while it lives (a freed or preempted sequence gets a new
-        list), so the same list object as last step needs only its new entries."""
+        list), so the same list object as last step needs only its new entries. A row with
+        nothing held is all 0."""
         held = self._full_rows[r]
         host = self._full_host[r]
-        if held is not None and pages is not None and held[0] is pages and held[1] <= len(pages):
-            if len(pages) > held[1]:
-                host[held[1]:len(pages)] = torch.tensor(pages[held[1]:], dtype=torch.long)
+        n = len(pages) if pages is not None else 0
+        if held is not None and held[0] is pages and held[1] <= n:
+            if n > held[1]:
+                host[held[1]:n] = torch.tensor(pages[held[1]:], dtype=torch.long)
         else:
-            if pages:
-                host[:len(pages)] = torch.tensor(pages, dtype=torch.long)
-            written = held[1] if held is not None else self.full_width
-            if written > len(pages or ()):
-                host[len(pages or ()):written] = 0
-        self._full_rows[r] = (pages, len(pages)) if pages is not None else None
+            if n:
+                host[:n] = torch.tensor(pages, dtype=torch.long)
+            if held is not None and held[1] > n:
+                host[n:held[1]] = 0
+        self._full_rows[r] = (pages, n) if pages is not None else None
 
     @torch.no_grad()
     def run(self, chunks: Sequence, replay: bool | None = None) -> torch.Tensor:

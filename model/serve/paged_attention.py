@@ -43,11 +43,16 @@ class PagedBatch:
     num_decode: int = 0
 
 
-def pad_rows(rows: Sequence[Sequence[int]], width: int) -> list[list[int]]:
-    """Page-table rows padded with the null page 0 to `width`."""
+def check_width(rows: Sequence[Sequence[int]], width: int) -> None:
+    """Raise unless every page-table row fits `width` pages."""
     if any(len(r) > width for r in rows):
         raise ValueError(f"a page-table row of {max(len(r) for r in rows)} pages does not fit "
                          f"width {width}")
+
+
+def pad_rows(rows: Sequence[Sequence[int]], width: int) -> list[list[int]]:
+    """Page-table rows padded with the null page 0 to `width`."""
+    check_width(rows, width)
     return [list(r) + [0] * (width - len(r)) for r in rows]
 
 
