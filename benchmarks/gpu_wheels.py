@@ -33,6 +33,12 @@ def norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+# Distributions that come with a tool the GPU machine already has, not from PyPI: nsight-python's
+# `ncu-report` is the module inside Nsight Compute's own install (autoopt.profiler.nsight finds it
+# there), and PyPI has no wheel of it for the machine's Python.
+WITH_THE_MACHINE = {"ncu-report"}
+
+
 def read_have(text: str) -> set[str]:
     """Distribution names from `pip freeze`, `pip list` or one name per line."""
     out = set()
@@ -85,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--python", default="3.12")
     p.add_argument("--list", action="store_true", help="Print what is needed; download nothing.")
     a = p.parse_args(argv)
-    want, missing = needs("autoopt", tuple(a.extra), read_have(a.have.read_text()))
+    have = read_have(a.have.read_text()) | WITH_THE_MACHINE
+    want, missing = needs("autoopt", tuple(a.extra), have)
     for name in missing:
         print(f"not installed here, so not followed: {name}", file=sys.stderr)
     print("\n".join(want))
