@@ -47,6 +47,7 @@ declare -A STAGES=(
   [verify]="mkdir -p \$R/verify && python3 -m autoopt.cli verify --device cuda --json \${VERIFY_ARGS:?set VERIFY_ARGS, e.g. --op attention --variant triton_v1 --secret HEX} > \$R/verify/report.json; tail -c 2000 \$R/verify/report.json"
   [bench-model]="python3 benchmarks/gpu_profile.py --out \$R/bench-model --budget-s \$((STAGE_S - 30)) \${PROFILE_ARGS:---baseline benchmarks/moe-only.lock.toml}"
   [bench-step]="python3 -m autoopt.cli bench model --target h200-tp8-decode --context 8192 --kernels \${STEP_SETS:-benchmarks/moe-only.lock.toml,tuned} --row-s 8 --budget \$((STAGE_S - 45))s --out \$R/bench-step \${STEP_ARGS:-}"
+  [profile]="for b in \${PROFILE_BATCHES:-8 32 64}; do python3 -m autoopt.cli profile --target h200-tp8-decode --kernels tuned --context \${PROFILE_CONTEXT:-100000} --batch \$b --out \$R/profile/bs\$b \${PROFILE_STEP_ARGS:-} || echo \"profile at batch \$b failed\"; done"
   [agents]="python3 benchmarks/agents_gpu.py --out \$R/agents"
   [accept]="python3 benchmarks/gpu_accept.py \${ACCEPT_ARGS:-} && mkdir -p \$R/registry-after && cp -r kernels/. \$R/registry-after/"
   [batch-invariant]="python3 benchmarks/batch_invariant_bench.py --out \$R/batch-invariant \${BI_ARGS:-}"
