@@ -74,7 +74,9 @@ def test_greedy_tokens_do_not_depend_on_the_batch(ckpt, prompts):
 @pytest.mark.gpu
 def test_greedy_tokens_do_not_depend_on_the_batch_on_the_gpu(ckpt, prompts):
     """The same on CUDA, with CUDA-graph decode and the GPU's attention backend."""
-    gpu = {"device": "cuda", "cuda_graphs": True, "attention_backend": "auto"}
+    # A fixed cache (64 MiB): a share of the free memory depends on what earlier tests hold.
+    gpu = {"device": "cuda", "cuda_graphs": True, "attention_backend": "auto",
+           "kv_cache_bytes": 64 << 20}
     alone_eng = engine(ckpt, True, **gpu)
     alone = [trace(alone_eng.generate([p], GREEDY)[0]) for p in prompts]
     batched = engine(ckpt, True, max_num_batched_tokens=16, **gpu).generate(prompts, GREEDY)
