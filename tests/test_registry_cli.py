@@ -131,8 +131,11 @@ def test_list_show_review_and_the_loader_agree_on_the_committed_registry():
         rec = json.loads(cli("registry", "show", op, name, "--registry", root, "--json").stdout)
         assert rec["status"] == r["status"], (op, name)
         verdicts = " ".join(f"{a}:pass" for a in sorted(rec["verification"]))
-        if not verdicts and rec["status"] == "candidate" and not rec["variant"]["runs_on_cpu"]:
-            verdicts = "unverified"  # a GPU-only candidate (a library's) awaiting its GPU run
+        if rec["status"] == "candidate" and not rec["variant"]["runs_on_cpu"]:
+            # A GPU-only candidate (a library's) shows its GPU verdicts as recorded, a reject
+            # with its reasons included; it is never accepted or loaded without a pass.
+            verdicts = " ".join(f"{a}:{rec['verification'][a][-1]['verdict']}"
+                                for a in sorted(rec["verification"])) or "unverified"
         assert r["verified"] == verdicts, (op, name)  # every other committed variant verified
     lock = rows("registry", "lock", "--registry", root)
     assert lock and all(r["state"] == "ok" for r in lock)
