@@ -37,6 +37,7 @@ declare -A STAGES=(
   [kernels]="python3 benchmarks/gpu_kernels.py --out \$R/kernels \${KERNELS_ARGS:-}"
   [kernels2]="python3 benchmarks/gpu_kernels.py --out \$R/kernels2 \${KERNELS2_ARGS:-}"
   [kernels3]="python3 benchmarks/gpu_kernels.py --out \$R/kernels3 \${KERNELS3_ARGS:-}"
+  [ncu]="python3 benchmarks/ncu_kernels.py --out \$R/ncu \${NCU_ARGS:-}"
   [moe]="python3 benchmarks/moe_gpu.py --out \$R/moe \${MOE_ARGS:-}"
   [reduction]="python3 benchmarks/reduction_check.py --out \$R/reduction \${REDUCTION_ARGS:-}"
   [moe-ep]="python3 benchmarks/moe_ep_check.py --out \$R/moe-ep \${MOE_EP_ARGS:-}"
