@@ -40,6 +40,8 @@ def op_call(op: str, variant: str, t: int, device: str):
     profiled call's weights in the L2."""
     from model.registry import Registry
 
+    if op not in ("moe_experts", "router"):
+        raise SystemExit(f"--op must be moe_experts or router, not {op!r}")
     fn = Registry().load_variant(op, variant).run
     g = torch.Generator(device=device).manual_seed(t)
     if op == "moe_experts":
@@ -51,16 +53,14 @@ def op_call(op: str, variant: str, t: int, device: str):
             x, w, ids = make_tokens(t, RANK, device, g)
             sets.append((x, gu, dn, w, ids, SCALE))
         return fn, sets
-    if op == "router":
-        h_dim, e = 5120, 256
-        sets = []
-        for _ in range(16):  # 5.2 MB of FP32 weights each: 84 MB in all
-            h = torch.randn(t, h_dim, device=device, generator=g).to(torch.bfloat16)
-            wt = torch.randn(e, h_dim, device=device, generator=g) * h_dim**-0.5
-            bias = torch.randn(e, device=device, generator=g) * 0.01
-            sets.append((h, wt, bias, 8, 4, 8))
-        return fn, sets
-    raise SystemExit(f"--op must be moe_experts or router, not {op!r}")
+    h_dim, e = 5120, 256  # the router
+    sets = []
+    for _ in range(16):  # 5.2 MB of FP32 weights each: 84 MB in all
+        h = torch.randn(t, h_dim, device=device, generator=g).to(torch.bfloat16)
+        wt = torch.randn(e, h_dim, device=device, generator=g) * h_dim**-0.5
+        bias = torch.randn(e, device=device, generator=g) * 0.01
+        sets.append((h, wt, bias, 8, 4, 8))
+    return fn, sets
 
 
 def child(op: str, variant: str, t: int) -> None:
