@@ -182,15 +182,10 @@ def count_kernels(served) -> tuple[int, dict[str, int]]:
     ranges (the code the graph captured) and the replay's kernels take the ops of their matches
     in that labelled pass (`profiler.graph_trace.align`), so the per-op counts sum to the total.
     A replay kernel with no match counts as `other`."""
-    from .profiler.graph_trace import align
-    from .profiler.torch_trace import trace_call
+    from .profiler.graph_trace import trace_served
 
-    with served.eager():
-        labelled = trace_call(served.step, served.device, ranges=True)
-    records = labelled.records
-    if served.bucket() is not None:
-        replay = trace_call(served.step, served.device, ranges=False)
-        records = align([r for r in labelled.records if r.kind != "cpu"], replay.records).records
+    tr = trace_served(served)
+    records = tr.aligned.records if tr.aligned is not None else tr.labelled.records
     counted = [r for r in records if r.kind in ("kernel", "cpu")]
     out: dict[str, int] = {}
     for r in counted:

@@ -174,9 +174,8 @@ def _time_steps(served, reps: int) -> list[float]:
 def _profile_one(t: Target, served, batch: int, layers: int, kernels: str, seed: int,
                  proxy_note: str | None, rates: Rates, reps: int, notes: list[str]) -> Profile:
     from .floor import step_floor
-    from .graph_trace import align, gaps
+    from .graph_trace import gaps, trace_served
     from .inventory import record_step
-    from .torch_trace import trace_call
 
     device = served.device
     samples = _time_steps(served, reps)
@@ -186,17 +185,16 @@ def _profile_one(t: Target, served, batch: int, layers: int, kernels: str, seed:
     counts: dict[str, int] = {}
     for c in calls:
         counts[c.name] = counts.get(c.name, 0) + c.count
-    with served.eager():
-        labelled = trace_call(served.step, device, ranges=True)
+    tr = trace_served(served)
+    labelled = tr.labelled
     checks: dict = {"seed": seed, "step_samples_us": samples,
                     "kernels_per_step": sum(r.kind in ("kernel", "cpu")
                                             for r in labelled.records)}
     lines = None
     graph_us = None
     bucket = served.bucket()
-    if bucket is not None:
-        replay = trace_call(served.step, device, ranges=False)
-        al = align([r for r in labelled.records if r.kind != "cpu"], replay.records)
+    if tr.aligned is not None:
+        al = tr.aligned
         g = gaps(al.records)
         records: list[KernelRecord] = al.records
         lines, graph_us = g.lines(step_us), g.graph_span_us

@@ -80,3 +80,27 @@ def gaps(records: Sequence[KernelRecord]) -> Gaps:
 
 
 __all__ = ["Alignment", "GRAPH_IDLE", "Gaps", "OUTSIDE", "align", "gaps"]
+
+
+@dataclass(frozen=True)
+class ServedTrace:
+    """One served step traced twice: `labelled`, run eagerly inside the ops' ranges (the code
+    the graph captured); `aligned`, the graph replay's kernels labelled from it (None where the
+    engine captured no graph for this bucket)."""
+
+    labelled: object  # torch_trace.Trace
+    aligned: Alignment | None
+
+
+def trace_served(served) -> ServedTrace:
+    """The labelled eager pass and, where the step replays a CUDA graph, the replay aligned to
+    it: what `autoopt profile` attributes and `bench model` counts kernels from."""
+    from .torch_trace import trace_call
+
+    with served.eager():
+        labelled = trace_call(served.step, served.device, ranges=True)
+    if served.bucket() is None:
+        return ServedTrace(labelled, None)
+    replay = trace_call(served.step, served.device, ranges=False)
+    return ServedTrace(labelled, align([r for r in labelled.records if r.kind != "cpu"],
+                                       replay.records))
