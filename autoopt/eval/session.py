@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import followups as fu
@@ -99,63 +100,77 @@ def _insert_after(steps: list, anchor: tuple, step: tuple, rng: Any, gap: int = 
 def run_steps(j: Judge, specs: list, steps: list[tuple], budget: Budget,
               secret: Secret) -> dict[str, Any]:
     """Execute the steps; returns what the burst reported. WorkerError propagates."""
-    cases: dict[int, Case | None] = {}
-    last = {}
-    needs_inputs: set[int] = set()  # cases with a later step that calls on their inputs again
-    for n, step in enumerate(steps):
-        if isinstance(step[1], int):
-            last[step[1]] = n
-            if step[0] not in ("first", "recheck"):
-                needs_inputs.add(step[1])
-    burst_info: dict[str, Any] = {}
-    for n, step in enumerate(steps):
-        kind, arg = step
+    run = _StepRun(j, specs, steps, budget, secret)
+    for n, (kind, _) in enumerate(steps):
         t0 = time.perf_counter()
         try:
-            burst_info = _run_step(j, specs, steps, budget, secret, cases, last, needs_inputs,
-                                   n, burst_info)
+            run.step(n)
         finally:
             j.by_step[kind] = j.by_step.get(kind, 0.0) + time.perf_counter() - t0
-    return burst_info
+    return run.burst_info
 
 
-def _run_step(j: Judge, specs: list, steps: list[tuple], budget: Budget, secret: Secret,
-              cases: dict, last: dict, needs_inputs: set[int], n: int,
-              burst_info: dict[str, Any]) -> dict[str, Any]:
-    """Step n of `run_steps` (its wall time is counted by kind in `j.by_step`)."""
-    kind, arg = steps[n]
-    if kind == "burst":
-        seeds = [secret.seed() for _ in range(budget.burst_sets)]
-        samples = secret.rng.sample(range(len(seeds)), min(budget.burst_samples, len(seeds)))
-        return fu.burst(j, arg, seeds, budget.burst_reps, samples, budget.burst_bytes)
-    if kind == "marathon":
-        lo, hi = budget.marathon_s
-        j.marathon = fu.marathon(j, arg, [secret.seed() for _ in range(3)],
-                                 calls=secret.tokens(max(1, budget.marathon_calls // 10),
-                                                     budget.marathon_calls),
-                                 time_s=secret.rng.uniform(lo, hi),
-                                 max_bytes=budget.burst_bytes)
-        return burst_info
-    if kind == "first":
-        shape, seed, edge = specs[arg]
-        cases[arg] = case = j.make_case(shape, seed, edge)
-        if case is not None:
-            j.first_call(case)
-            if arg not in needs_inputs and last.get(arg) != n and case.handle:
-                # Only rechecks of its output follow: its inputs (a MoE rank's are ~9 GiB)
-                # are freed now, in the worker and here; the output stays for the recheck.
-                j.drop([case.handle], [])
-                case.handle, case.args = None, ()
-    else:
-        case = cases.get(arg)
-        if case is not None and case.first is not None:
-            _FOLLOW[kind](j, case, secret)
-    if last.get(arg) == n and (case := cases.get(arg)) is not None and \
-            (case.handle or case.out_id):
-        j.drop([case.handle] if case.handle else [], [case.out_id] if case.out_id else [])
-        case.args = case.ref = ()  # free the judge's copies too
-        case.near, case.first, case.alt = {}, None, None
-    return burst_info
+@dataclass
+class _StepRun:
+    """The state `run_steps` carries from step to step: each case's inputs and output handles,
+    the last step that uses each case (its buffers are freed after it), and what the burst
+    reported."""
+
+    judge: Judge
+    specs: list
+    steps: list[tuple]
+    budget: Budget
+    secret: Secret
+    cases: dict[int, Case | None] = field(default_factory=dict)
+    last: dict[int, int] = field(default_factory=dict)
+    needs_inputs: set[int] = field(default_factory=set)  # a later step calls on its inputs again
+    burst_info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for n, (kind, arg) in enumerate(self.steps):
+            if isinstance(arg, int):
+                self.last[arg] = n
+                if kind not in ("first", "recheck"):
+                    self.needs_inputs.add(arg)
+
+    def step(self, n: int) -> None:
+        """Step n (its wall time is counted by kind in `judge.by_step` by the caller)."""
+        j, specs, budget, secret = self.judge, self.specs, self.budget, self.secret
+        cases, last = self.cases, self.last
+        kind, arg = self.steps[n]
+        if kind == "burst":
+            seeds = [secret.seed() for _ in range(budget.burst_sets)]
+            samples = secret.rng.sample(range(len(seeds)), min(budget.burst_samples, len(seeds)))
+            self.burst_info = fu.burst(j, arg, seeds, budget.burst_reps, samples,
+                                       budget.burst_bytes)
+            return
+        if kind == "marathon":
+            lo, hi = budget.marathon_s
+            j.marathon = fu.marathon(j, arg, [secret.seed() for _ in range(3)],
+                                     calls=secret.tokens(max(1, budget.marathon_calls // 10),
+                                                         budget.marathon_calls),
+                                     time_s=secret.rng.uniform(lo, hi),
+                                     max_bytes=budget.burst_bytes)
+            return
+        if kind == "first":
+            shape, seed, edge = specs[arg]
+            cases[arg] = case = j.make_case(shape, seed, edge)
+            if case is not None:
+                j.first_call(case)
+                if arg not in self.needs_inputs and last.get(arg) != n and case.handle:
+                    # Only rechecks of its output follow: its inputs (a MoE rank's are ~9 GiB)
+                    # are freed now, in the worker and here; the output stays for the recheck.
+                    j.drop([case.handle], [])
+                    case.handle, case.args = None, ()
+        else:
+            case = cases.get(arg)
+            if case is not None and case.first is not None:
+                _FOLLOW[kind](j, case, secret)
+        if last.get(arg) == n and (case := cases.get(arg)) is not None and \
+                (case.handle or case.out_id):
+            j.drop([case.handle] if case.handle else [], [case.out_id] if case.out_id else [])
+            case.args = case.ref = ()  # free the judge's copies too
+            case.near, case.first, case.alt = {}, None, None
 
 
 def _each_changing(fn: Callable) -> Callable:
