@@ -22,7 +22,7 @@ from model.registry import Registry
 def variants() -> dict:
     reg = Registry()
     return {name: reg.load_variant("moe_experts", name)
-            for name in ("triton_v1", "triton_v2", "grouped_mm_v1", "grouped_mm_v2")}
+            for name in ("triton_v1", "triton_v2", "triton_v3", "grouped_mm_v1", "grouped_mm_v2")}
 
 
 def routing(kind: str, t: int, e: int, k: int, g: torch.Generator) -> torch.Tensor:
@@ -88,6 +88,37 @@ GROUPED_CASES = [c for c in TRITON_CASES if c[6]["PATH"] == "grouped"] + [
     (130, 32, 16, 16, 8, "skewed", {"PATH": "decode"}),  # more pairs than the decode scan
     (9, 48, 5, 24, 3, "dup", {"PATH": "grouped", "BLOCK_M": 16}),  # E not a power of two
 ]
+
+
+GEMV_CASES = [
+    (1, 96, 8, 48, 8, "spread", {"BLOCK_N": 4, "BLOCK_K": 32, "SPLIT_K": 1}),
+    (1, 96, 8, 48, 8, "spread", {"BLOCK_N": 8, "BLOCK_K": 32, "SPLIT_K": 2}),  # short last range
+    (2, 80, 16, 32, 8, "dup", {"BLOCK_N": 4, "BLOCK_K": 16, "SPLIT_K": 4}),  # pairs share experts
+    (2, 64, 16, 40, 8, "skewed", {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 1}),  # I % BLOCK_N
+    (3, 64, 16, 32, 6, "skewed", {"BLOCK_N": 4, "BLOCK_K": 16, "SPLIT_K": 8}),  # k = 6
+    (5, 70, 16, 32, 8, "dup", {"BLOCK_N": 8, "BLOCK_K": 32, "SPLIT_K": 2}),  # H % BLOCK_K
+]
+
+
+@pytest.mark.parametrize("case", GEMV_CASES, ids=lambda c: f"T{c[0]}-{c[5]}-{c[6]['SPLIT_K']}")
+@pytest.mark.parametrize("seed", [0, 1])
+def test_triton_v3_gemv_matches_the_reference(variants, case, seed) -> None:
+    # Kernel A as a per-pair register GEMV (the T = 1, 2 buckets' path), every tile and split
+    # edge: within the op's policy, and its split-K counters left clean for the next call.
+    t, h, e, i, k, kind, cfg = case
+    args = inputs(t, h, e, i, k, seed, kind)
+    mod = variants["triton_v3"]
+    out = mod.run(*args, config={"PATH": "gemv", **cfg})
+    check(out, args)
+    assert torch.equal(out, mod.run(*args, config={"PATH": "gemv", **cfg}))
+    assert not mod.split_counters(args[0].device, 1).any()
+
+
+def test_triton_v3_takes_the_gemv_path_at_one_and_two_tokens(variants) -> None:
+    mod = variants["triton_v3"]
+    assert mod._config(1, 8, None, True)["PATH"] == mod._config(2, 16, None, True)["PATH"] \
+        == "gemv"
+    assert mod._config(4, 32, None, True)["PATH"] == "decode"
 
 
 @pytest.mark.parametrize("case", GROUPED_CASES, ids=lambda c: f"T{c[0]}-E{c[2]}-{c[5]}")
@@ -288,7 +319,8 @@ def test_the_policy_rejects_near_misses_and_a_dropped_slot() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["triton_v1", "triton_v2", "grouped_mm_v1", "grouped_mm_v2"])
+@pytest.mark.parametrize("name", ["triton_v1", "triton_v2", "triton_v3", "grouped_mm_v1",
+                                  "grouped_mm_v2"])
 def test_verifies_through_the_harness(name) -> None:
     from autoopt.eval import default_shapes, verify_variant
 
@@ -304,14 +336,16 @@ RANK = {"H": 5120, "E": 256, "I": 320, "k": 8}
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 2, 4, 8, 16, 32, 64, 2048])
-@pytest.mark.parametrize("name", ["triton_v1", "triton_v2", "grouped_mm_v1", "grouped_mm_v2"])
+@pytest.mark.parametrize("name", ["triton_v1", "triton_v2", "triton_v3", "grouped_mm_v1",
+                                  "grouped_mm_v2"])
 def test_rank_shapes_on_the_gpu(variants, name, t) -> None:
     args = inputs(t, RANK["H"], RANK["E"], RANK["I"], RANK["k"], t, "skewed", device="cuda")
     check(variants[name].run(*args), args)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["triton_v1", "triton_v2", "grouped_mm_v1", "grouped_mm_v2"])
+@pytest.mark.parametrize("name", ["triton_v1", "triton_v2", "triton_v3", "grouped_mm_v1",
+                                  "grouped_mm_v2"])
 def test_captured_in_a_cuda_graph(variants, name) -> None:
     args = inputs(4, RANK["H"], 32, RANK["I"], RANK["k"], 0, "skewed", device="cuda")
     run = variants[name].run
@@ -384,10 +418,14 @@ SM90_CASES = [
      {"K_TOP": 8, "K2": 8, "BLOCK_H": 512, "ON_GPU": True}, 4],
 ]
 ALIGN_CASE = ["_align_kernel", _COMMON, {"E2": 256, "BLOCK": 64, "BLOCK_M": 16}, 8]
+GEMV_CASE = ["_moe_experts_gate_up_gemv_kernel", _COMMON,
+             {"K_TOP": 8, "BLOCK_N": 4, "BLOCK_K": 512, "STEPS": 5, "SPLIT_K": 2,
+              "ON_GPU": True}, 4]
 
 
 @pytest.mark.parametrize("name,cases", [("triton_v1", SM90_CASES),
-                                        ("triton_v2", [*SM90_CASES, ALIGN_CASE])])
+                                        ("triton_v2", [*SM90_CASES, ALIGN_CASE]),
+                                        ("triton_v3", [*SM90_CASES, ALIGN_CASE, GEMV_CASE])])
 def test_gpu_kernels_compile_for_sm90(tmp_path, name, cases):
     import json
     import os
