@@ -82,6 +82,26 @@ def test_side_stream_work_is_caught_at_runtime():
     assert reasons, "side-stream work went unnoticed"
 
 
+def test_a_failed_capture_leaves_the_cuda_generator_usable():
+    # An unjoined side stream fails cudaStreamEndCapture, which torch reports before it takes the
+    # default generator out of capture mode: random ops outside graphs would fail from then on.
+    from autoopt.eval.timing import time_callable
+
+    def unjoined(a):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            a.mul_(1)
+
+    torch.cuda.manual_seed(1234)
+    x = torch.randn(16, device="cuda")
+    t = time_callable(unjoined, [(x.clone(),)], device="cuda", warmup=1, iters=2)
+    assert t.method == "cuda-events" and "capture failed" in t.notes[0], t
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    assert gen.initial_seed() == 1234
+    torch.randn(8, device="cuda")  # raised "Offset increment outside graph capture" before
+
+
 def test_cuda_graph_timing_and_ceilings(tmp_path, monkeypatch):
     from autoopt.eval.timing import measure_ceilings, time_callable
 

@@ -36,6 +36,7 @@ import torch
 from autoopt.env import cache_dir
 
 from .trials import refill, shape_key
+from .worker_burst import release_generators
 
 _perf_counter = time.perf_counter
 _Event = torch.cuda.Event
@@ -188,10 +189,14 @@ def _time_graph(fn: Callable, arg_sets: list[tuple], iters: int) -> Timing:
             fn(*args)
     torch.cuda.current_stream().wait_stream(side)
     graph = _CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            for args in arg_sets:
-                fn(*args)
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                for args in arg_sets:
+                    fn(*args)
+    except Exception:
+        release_generators()
+        raise
     calls = reps * len(arg_sets)
     for _ in range(3):
         graph.replay()

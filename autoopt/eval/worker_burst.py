@@ -72,9 +72,32 @@ def _capture(state: _State, b: dict) -> None:
                         outs[k] = o
     except Exception as e:  # noqa: BLE001 - timed eagerly instead, and said so
         _synchronize()
+        release_generators()
         b["note"] = _text(f"cuda graph capture failed ({_type(e).__name__}: {e}); eager burst")
         return
     b["graph"], b["outs"] = graph, outs
+
+
+def release_generators() -> None:
+    """Take the CUDA default generators out of capture mode after a capture that failed.
+
+    torch puts them in capture mode when a capture begins and takes them out in capture_end only
+    after cudaStreamEndCapture succeeds; after a capture that failed (an unjoined side stream, a
+    host sync), every later random op outside a graph raises "Offset increment outside graph
+    capture encountered unexpectedly". A generator that still draws is left as it is; a stuck one
+    gets a fresh state with its seed and offset."""
+    for gen in torch.cuda.default_generators:
+        probe = torch.empty(1, device=gen.device)
+        try:
+            probe.uniform_(generator=gen)
+            continue
+        except RuntimeError as e:
+            if "graph capture" not in str(e):
+                raise
+        fresh = torch.Generator(device=gen.device)
+        fresh.manual_seed(gen.initial_seed())
+        fresh.set_offset(gen.get_offset())
+        gen.graphsafe_set_state(fresh)
 
 
 def poison(state: _State, msg: dict, fds: list) -> dict:

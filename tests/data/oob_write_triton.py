@@ -1,7 +1,8 @@
-"""Cheat: a Triton swiglu whose stores run 64 elements past the end of its output.
+"""Cheat: a Triton swiglu whose stores run up to 64 elements past the end of its output.
 
-Every element of the output is right; the extra stores land after it. On a GPU they fall in the
-caching allocator's slack, where no output check looks: only compute-sanitizer's memcheck, with
+Every element of the output is right; the extra stores stop at the next 512-byte boundary, the
+caching allocator's rounding, so on a GPU they always land in the output block's own slack
+(never a fault, nothing any output check looks at): only compute-sanitizer's memcheck, with
 torch's caching allocator off, sees them (`autoopt verify --memcheck`). Under the interpreter the
 stores write into the worker's heap, which usually ends it.
 """
@@ -18,7 +19,8 @@ DEFAULT_CONFIG = {"BLOCK": 1024}
 
 
 @triton.jit
-def _swiglu_fwd_kernel(g_ptr, u_ptr, o_ptr, n, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _swiglu_fwd_kernel(g_ptr, u_ptr, o_ptr, n, n_store, BLOCK: tl.constexpr,
+                       LIBDEVICE: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -31,7 +33,7 @@ def _swiglu_fwd_kernel(g_ptr, u_ptr, o_ptr, n, BLOCK: tl.constexpr, LIBDEVICE: t
     y = tl.div_rn(g, 1.0 + e) * u
     bits = y.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    tl.store(o_ptr + offs, bits.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=offs < n + 64)
+    tl.store(o_ptr + offs, bits.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=offs < n_store)
 
 
 def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, block: int) -> torch.Tensor:
@@ -41,8 +43,10 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, block: int) -> torch.Tensor
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
     n = gate.numel()
-    _swiglu_fwd_kernel[(triton.cdiv(n + 64, block),)](gate, up, out, n, BLOCK=block,
-                                                   LIBDEVICE=gate.is_cuda)
+    n_store = min(n + 64, -(-n * 2 // 512) * 256)  # bf16: up to the block's 512-byte rounding
+    if n_store:
+        _swiglu_fwd_kernel[(triton.cdiv(n_store, block),)](gate, up, out, n, n_store,
+                                                           BLOCK=block, LIBDEVICE=gate.is_cuda)
     return out
 
 
