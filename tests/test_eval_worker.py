@@ -285,6 +285,7 @@ def test_racecheck_runs_the_worker_under_the_sanitizer(tmp_path, monkeypatch, er
     assert out["status"] == status, out
     assert out["summary"]["errors"] == errors
     assert ("reason" in out) == bool(errors)
+    assert len(out["shapes"]) <= 2  # the smallest bucket and the smallest with T >= 2
 
 
 FAKE_MEMCHECK = '''#!/usr/bin/env bash
@@ -316,6 +317,8 @@ def test_memcheck_runs_the_worker_under_the_sanitizer_without_the_caching_alloca
     assert out["errors"] == errors
     assert "--tool memcheck" in out["log_tail"] and "--report-api-errors no" in out["log_tail"]
     assert "caching-off:1" in out["log_tail"]  # every tensor its own allocation
+    # ...and the smallest drawn shape too (a secret token count; on CPU drawn widths as well)
+    assert len(out["shapes"]) == 3, out["shapes"]
     assert ("reason" in out) == bool(errors)
     if errors:
         assert "memcheck found 3 errors" in out["reason"] and "Invalid __global__" in out["reason"]

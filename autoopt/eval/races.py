@@ -114,10 +114,12 @@ def _close_and_read(w: Any, log: Path) -> str:
 
 def _sanitized_calls(tool: str, flags: list[str], env: dict[str, str], label: str, c: Any,
                      text: bytes, plan: Any, secret: Any, config: dict | None, device: str,
-                     timeout_s: float | None) -> tuple[dict[str, Any], str | None]:
+                     timeout_s: float | None, drawn: bool = False
+                     ) -> tuple[dict[str, Any], str | None]:
     """The candidate in a worker under `compute-sanitizer --tool TOOL`, two calls at the plan's
-    smallest bucket with T >= 2: (what to report, the sanitizer's log), the log None when the
-    run could not be made (the report then says why, under "reason")."""
+    smallest bucket, at its smallest with T >= 2 and (`drawn`) at its smallest drawn shape: (what
+    to report, the sanitizer's log), the log None when the run could not be made (the report
+    then says why, under "reason")."""
     from .channel import Worker, WorkerError
     from .run import POISON_DTYPES, palette_bits, start_candidate
     from .trials import Judge
@@ -133,6 +135,8 @@ def _sanitized_calls(tool: str, flags: list[str], env: dict[str, str], label: st
     rows = [s for s in plan.buckets if s.get("T", 0) >= 2]
     if rows and smallest(rows) != shapes[0]:
         shapes.append(smallest(rows))
+    if drawn and plan.drawn and smallest(plan.drawn) not in shapes:
+        shapes.append(smallest(plan.drawn))
     out: dict[str, Any] = {"tool": f"compute-sanitizer --tool {tool}",
                            "shape": shapes[-1], "shapes": shapes}
     # The verification's own limit bounds this worker too (it is its slowest: every kernel runs
@@ -195,14 +199,17 @@ def parse_memcheck(log: str) -> int | None:
 
 def gpu_memcheck(c: Any, text: bytes, plan: Any, secret: Any, config: dict | None,
                  device: str, timeout_s: float | None = None) -> dict[str, Any]:
-    """The candidate under compute-sanitizer's memcheck, at the racecheck's shape, with torch's
-    caching allocator off in the worker (PYTORCH_NO_CUDA_MEMORY_CACHING=1): every tensor is its
-    own allocation, so a load or store past an input's or output's end is outside any allocation
-    and reported, where with the cache it would land in the allocator's slack unseen. API errors
-    that torch provokes and handles itself are not counted (--report-api-errors no)."""
+    """The candidate under compute-sanitizer's memcheck, at the racecheck's shapes and the plan's
+    smallest drawn one (a secret token count and, on a GPU, odd widths: a store that stays inside
+    the allocator's 512-byte rounding has room there, where the target's widths may leave none),
+    with torch's caching allocator off in the worker (PYTORCH_NO_CUDA_MEMORY_CACHING=1): every
+    tensor is its own allocation, so a load or store past an input's or output's end is outside
+    any allocation and reported, where with the cache it would land in the allocator's slack
+    unseen. API errors that torch provokes and handles itself are not counted
+    (--report-api-errors no)."""
     out, log_text = _sanitized_calls("memcheck", ["--report-api-errors", "no"],
                                      {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}, "memcheck", c,
-                                     text, plan, secret, config, device, timeout_s)
+                                     text, plan, secret, config, device, timeout_s, drawn=True)
     if log_text is None:
         return out
     errors = parse_memcheck(log_text)
