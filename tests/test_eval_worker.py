@@ -324,6 +324,32 @@ def test_memcheck_runs_the_worker_under_the_sanitizer_without_the_caching_alloca
         assert "memcheck found 3 errors" in out["reason"] and "Invalid __global__" in out["reason"]
 
 
+FAKE_MEMCHECK_KILLS = '''#!/usr/bin/env bash
+# Stands in for memcheck stopping a kernel at an invalid write: the log has the finding, and the
+# worker dies before it answers.
+log=""
+while [[ $# -gt 0 ]]; do
+  case "$1" in --log-file) log="$2"; shift 2;; *) shift;; esac
+done
+echo "========= Invalid __global__ write of size 2 bytes" >> "$log"
+echo "=========     at _swiglu_fwd_kernel+0x1a0" >> "$log"
+exit 1
+'''
+
+
+def test_memcheck_findings_count_when_the_worker_dies_of_them(tmp_path, monkeypatch):
+    out = _under_fake_sanitizer(tmp_path, monkeypatch, FAKE_MEMCHECK_KILLS, "gpu_memcheck")
+    assert out["status"] == "errors found" and out["errors"] == 1, out
+    assert out["reason"].startswith("memcheck: compute-sanitizer memcheck found 1 errors")
+    assert "the worker failed after them" in out["reason"]
+
+
+def test_a_sanitizer_run_that_dies_without_findings_is_not_a_pass(tmp_path, monkeypatch):
+    script = FAKE_MEMCHECK_KILLS.replace("Invalid __global__ write of size 2 bytes", "stopped")
+    out = _under_fake_sanitizer(tmp_path, monkeypatch, script, "gpu_memcheck")
+    assert out["status"] == "not checked" and "failed" in out["reason"], out
+
+
 def test_memcheck_without_a_summary_is_not_a_pass():
     from autoopt.eval.races import parse_memcheck
 

@@ -29,6 +29,7 @@ SANITIZER_TIMEOUT_S = 600.0
 _SUMMARY = re.compile(r"RACECHECK SUMMARY:\s*(\d+)\s+hazards?\s+displayed\s*"
                       r"\((\d+)\s+errors?,\s*(\d+)\s+warnings?\)")
 _ERRORS = re.compile(r"ERROR SUMMARY:\s*(\d+)\s+errors?")
+_INVALID = re.compile(r"Invalid __\w+__ (?:read|write)")
 _RECORD = re.compile(r"(Error|Warning): Race reported between")
 _KERNEL = re.compile(r"access at\s+(?:0x[0-9a-fA-F]+\s+in\s+([^\s\[]+)|([^\s\[+]+)\+0x)")
 
@@ -211,6 +212,15 @@ def gpu_memcheck(c: Any, text: bytes, plan: Any, secret: Any, config: dict | Non
                                      {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}, "memcheck", c,
                                      text, plan, secret, config, device, timeout_s, drawn=True)
     if log_text is None:
+        # memcheck stops a kernel at its first invalid access, and the worker then fails with a
+        # launch failure: what the sanitizer logged up to there is still the finding.
+        tail = out.get("log_tail", "")
+        errors = parse_memcheck(tail) or len(_INVALID.findall(tail))
+        if errors:
+            return {**out, "status": "errors found", "errors": errors,
+                    "reason": f"memcheck: compute-sanitizer memcheck found {errors} errors at "
+                              f"{out['shapes']} (the worker failed after them: "
+                              f"{out['reason'].split(': ', 1)[-1][:200]})"}
         return out
     errors = parse_memcheck(log_text)
     out["errors"] = errors
