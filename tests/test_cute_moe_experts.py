@@ -23,13 +23,17 @@ pytestmark = pytest.mark.skipif(cute_dsl.unavailable() is not None,
                                 reason=f"{cute_dsl.unavailable()}: cute_v1 imports cutlass")
 
 
-@pytest.fixture(scope="module")
-def mod():
+def _load(name: str):
     spec = importlib.util.spec_from_file_location(
-        "moe_cute_v1", ROOT / "kernels" / "moe_experts" / "cute_v1.py")
+        f"moe_{name}", ROOT / "kernels" / "moe_experts" / f"{name}.py")
     m = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(m)
     return m
+
+
+@pytest.fixture(scope="module", params=["cute_v1", "cute_v2"])
+def mod(request):
+    return _load(request.param)
 
 
 def tile_gemm(a, w, tiles, bm, bn):
@@ -89,6 +93,24 @@ def test_forward_with_a_torch_gemm_matches_the_reference(mod, t, seed, offset):
     got = mod.moe_experts_fwd(*args, 64, 128, tile_gemm)
     assert got.dtype == torch.bfloat16 and got.shape == ref.shape
     within_policy(got, ref, args)
+
+
+@pytest.mark.parametrize("h,i,t,seed", [(102, 108, 5, 0), (64, 36, 3, 1), (70, 32, 17, 2),
+                                         (64, 32, 2, 3)])
+def test_cute_v2_pads_widths_off_the_tma_grid_with_exact_zeros(h, i, t, seed):
+    # cute_v1 refused H or I off a multiple of 8; cute_v2 pads them: the padded columns add
+    # exact zeros to every sum and a SwiGLU of 0, so the first H columns are the same numbers.
+    m = _load("cute_v2")
+    x, gu, down, w, ids, scale = C.make_inputs({"T": t, "H": h, "E": 16, "I": i, "k": 8}, seed)
+    xa, gua, downa = m.aligned(x, gu, down)
+    assert xa.shape[1] % 8 == 0 and gua.shape[1] % 16 == 0 and downa.shape[2] % 8 == 0
+    if (h, i) == (64, 32):
+        assert xa is x and gua is gu and downa is down  # Beam's widths: no copy
+    got = m.moe_experts_fwd(xa, gua, downa, w, ids, scale, 0, 64, 128, tile_gemm)[:, :h]
+    padded_ref = C.reference(xa, gua, downa, w, ids, scale)
+    assert torch.equal(padded_ref[:, :h], C.reference(x, gu, down, w, ids, scale))
+    assert not padded_ref[:, h:].any()
+    within_policy(got, padded_ref[:, :h], (x, gu, down, w, ids, scale))
 
 
 def test_cpu_tensors_get_a_clear_error(mod):
