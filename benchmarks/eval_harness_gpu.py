@@ -2,7 +2,7 @@
 
     python benchmarks/eval_harness_gpu.py --out DIR --part corpus   # on the H200, ~6 minutes
     python benchmarks/eval_harness_gpu.py --out DIR --part registry # ~6 minutes (5 at once)
-    python benchmarks/eval_harness_gpu.py --out DIR2 --heavy --only moe_experts/cute_v1 \
+    python benchmarks/eval_harness_gpu.py --out DIR2 --heavy --only moe_experts/cute_v2 \
         --jobs 1 --timeout 540                                      # the heavy op, alone
     python benchmarks/eval_harness_gpu.py --out DIR --dry-run       # on CPU: a few variants
     python -m pytest -q -m gpu tests/test_eval_gpu.py               # the same facts, as assertions

@@ -13,7 +13,7 @@ random weights (N(0, 1/fan_in)) and skewed routing (expert popularity falling 15
    layers' worth of expert weights (2.5 GB each, far beyond the 50 MB L2) with a fresh routing per
    call: reference (eager; it syncs with the host), grouped_mm_v2, torch.compile of grouped_mm_v2
    (`emulate_precision_casts`; at --compile-tokens, where time allows), triton_v1 defaults, the
-   sweep, and any variant named with --also (cute_v1 needs nvidia-cutlass-dsl).
+   sweep, and any variant named with --also (cute_v2 needs nvidia-cutlass-dsl).
 3. Sweep: triton_v1 kernel-A configs (gate_up + SwiGLU) at a fixed kernel B, then kernel-B
    configs (down + combine) at the best A, then the grouped path; every config is also checked
    against the reference. Compilation runs in parallel worker processes first (Triton's cache).
@@ -149,7 +149,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="~100 s: correctness and timing at every T, the reference timed only at "
                         "T <= 8, no torch.compile, a whole-config sweep per T -> best_configs.")
     p.add_argument("--also", default="",
-                   help="Further moe_experts variants to check and time, e.g. cute_v1 (its JIT "
+                   help="Further moe_experts variants to check and time, e.g. cute_v2 (its JIT "
                         "compiles count against the time budget).")
     return p.parse_args(argv)
 
@@ -235,7 +235,7 @@ class Bench:
         self.triton_mod = reg.load_variant("moe_experts", "triton_v1")
         self.triton = self.triton_mod.run
         self.grouped = reg.load_variant("moe_experts", "grouped_mm_v2").run
-        self.others: dict = {}  # further registry variants this machine can run (cute_v1)
+        self.others: dict = {}  # further registry variants this machine can run (cute_v2)
         self.missing: dict[str, str] = {}
         for name in reg.variants("moe_experts"):
             if name in ("triton_v1", "grouped_mm_v2"):

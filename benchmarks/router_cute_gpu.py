@@ -1,4 +1,4 @@
-"""The FP32 router (triton_v1) and the CuTe DSL grouped-GEMM experts (cute_v1) on one GPU.
+"""The FP32 router (triton_v1) and the CuTe DSL grouped-GEMM experts (cute_v2) on one GPU.
 
 On the H200 (about 3 minutes; every section stops at the --budget-s deadline and says so):
     python benchmarks/router_cute_gpu.py --out $OUT
@@ -10,7 +10,7 @@ sets (together > 2x L2, so the 5.2 MB weight comes from HBM), % of the floor at 
 ceiling measured in this process, and kernels per call (torch.profiler). Each T then times a
 short list of candidate configs (each checked against the reference on one seed first) and
 the JSON's `best_configs` holds the fastest passing one per T, complete, as {"T=1": {...}}.
-Experts: when nvidia-cutlass-dsl imports, moe_experts cute_v1 against the reference and the
+Experts: when nvidia-cutlass-dsl imports, moe_experts cute_v2 against the reference and the
 capture-safe grouped_mm path at T = 64, 256, 2048 (E=256, H=5120, I=320, k=8): policy,
 time, kernels per call.
 Writes $OUT/router_cute.json and $OUT/router_cute.md and prints the table last. Exit 0 when
@@ -202,19 +202,19 @@ def router_case(mod, t: int, device: str, ceilings, dry: bool, deadline: float =
 
 
 def moe_impls(device: str) -> tuple[dict[str, Callable], str | None]:
-    """name -> callable for the experts; the reason cute_v1 is absent, if it is."""
+    """name -> callable for the experts; the reason cute_v2 is absent, if it is."""
     from model.registry import Registry
 
     impls: dict[str, Callable] = {}
     why = None
     try:
-        cute = load_file(REPO / "kernels" / "moe_experts" / "cute_v1.py", "moe_cute_v1")
+        cute = load_file(REPO / "kernels" / "moe_experts" / "cute_v2.py", "moe_cute_v2")
     except ImportError as exc:
         cute, why = None, f"nvidia-cutlass-dsl does not import here ({exc})"
     if cute is not None and device.startswith("cuda"):
-        impls["cute_v1"] = cute.run
+        impls["cute_v2"] = cute.run
     elif cute is not None:  # CPU dry run: the same host code around a torch stand-in GEMM
-        impls["cute_v1 (torch GEMM stand-in)"] = lambda *a: cute.moe_experts_fwd(
+        impls["cute_v2 (torch GEMM stand-in)"] = lambda *a: cute.moe_experts_fwd(
             *a[:6], 0, 64, 128, _stand_in_gemm)
     if device.startswith("cuda"):
         impls["grouped_mm"] = Registry().load_variant("moe_experts", "grouped_mm_v1").run
@@ -291,7 +291,7 @@ def _us(v) -> str:
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
-    out = [f"# router triton_v1 and moe_experts cute_v1 ({meta['gpu']})", "",
+    out = [f"# router triton_v1 and moe_experts cute_v2 ({meta['gpu']})", "",
            f"Bandwidth ceiling {meta['copy_tb_s']} TB/s measured in this run; "
            f"{meta['note']}", "",
            "| op | variant | T | pass | us | ref us | x ref | x grouped_mm | floor us | % floor "

@@ -131,9 +131,11 @@ def test_list_show_review_and_the_loader_agree_on_the_committed_registry():
         rec = json.loads(cli("registry", "show", op, name, "--registry", root, "--json").stdout)
         assert rec["status"] == r["status"], (op, name)
         verdicts = " ".join(f"{a}:pass" for a in sorted(rec["verification"]))
-        if rec["status"] == "candidate" and not rec["variant"]["runs_on_cpu"]:
-            # A GPU-only candidate (a library's) shows its GPU verdicts as recorded, a reject
-            # with its reasons included; it is never accepted or loaded without a pass.
+        if rec["status"] == "rejected" or (rec["status"] == "candidate"
+                                          and not rec["variant"]["runs_on_cpu"]):
+            # A rejected variant, and a GPU-only candidate (a library's), show their verdicts as
+            # recorded, a reject with its reasons included; neither is accepted or loaded
+            # without a pass.
             verdicts = " ".join(f"{a}:{rec['verification'][a][-1]['verdict']}"
                                 for a in sorted(rec["verification"])) or "unverified"
         assert r["verified"] == verdicts, (op, name)  # every other committed variant verified

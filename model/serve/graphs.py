@@ -8,7 +8,7 @@ any context; the window tables as wide as one window needs.
 Capture needs every op to be free of host syncs. The reference `moe_experts` loops over the
 experts present (`unique().tolist()`), so while it is the selected implementation nothing is
 captured and the runner decodes eagerly, saying why; the registry's moe_experts variants
-(`grouped_mm_v1`, `grouped_mm_v2`, `triton_v1`) are capturable and are selected through the
+(`grouped_mm_v2`, `triton_v1` to `triton_v3`) are capturable and are selected through the
 lock like any other kernel. A capture that still fails leaves the runner eager and says why.
 """
 
