@@ -104,6 +104,51 @@ def record(
     raise typer.Exit(0 if report.get("verdict") == "pass" else 1)
 
 
+@registry_app.command("tune")
+def tune(
+    op: str = _OP, variant: str = _VARIANT, registry: Path = _REGISTRY,
+    configs: str = typer.Option(..., "--configs", help="JSON config per token bucket, e.g. "
+                                '\'{"T=1": {"BLOCK_K": 1024}, "T=2": {...}}\' (a sweep\'s best).'),
+    device: str = typer.Option("auto", help="cpu, cuda or auto (cuda when present)."),
+    target: str = typer.Option(None, "--target", help="Verify and time at this target's "
+                               "widths (e.g. h200-tp8-decode; default: the judge's)."),
+    seeds: int = typer.Option(2, help="Seeds per shape (secret: drawn for this run)."),
+    warmup: int = typer.Option(10, help="Warm-up calls before timing."),
+    iters: int = typer.Option(50, help="Timed samples."),
+    timeout: float = typer.Option(600.0, help="Seconds before a judge's child is killed."),
+    source: Path = typer.Option(None, "--source", help="Where the configs came from (e.g. a "
+                                "sweep's results.json), kept with the proposal."),
+) -> None:
+    """Propose tuned configs for a recorded variant on this GPU: verified with them (each call
+    gets its bucket's), each bucket timed with its config beside the default; written to the
+    record only if it passes and, on a GPU, no config is slower. Exit 1 otherwise."""
+    import json
+
+    from model.registry import RegistryError
+
+    from . import env
+    from .registry_record import TuneArgs, tune_variant
+
+    try:
+        table = json.loads(configs)
+        if not isinstance(table, dict):
+            raise ValueError("--configs must be a JSON object of bucket -> config")
+        text = source.read_text()[:20000] if source else None
+        rec, report, rows, what = tune_variant(env.open_registry(registry), TuneArgs(
+            op, variant, table, device, seeds, target, warmup, iters, timeout, text))
+    except (RegistryError, ValueError, FileNotFoundError) as exc:
+        make_console(stderr=True).print(f"[red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    console.print(f"{op}/{variant}: {report.get('verdict')} on {report.get('device')}; {what}",
+                  highlight=False)
+    for reason in report.get("reasons") or []:
+        console.print(f"  - {reason}", highlight=False)
+    for r in rows:
+        console.print(f"  T={r['shape'].get('T')} {r['label']:<7} {r['median_us']:9.2f} us  "
+                      f"{json.dumps(r['config'], sort_keys=True)}", highlight=False)
+    raise typer.Exit(0 if rec is not None else 1)
+
+
 @registry_app.command("accept")
 def accept(
     op: str = _OP, variant: str = _VARIANT, registry: Path = _REGISTRY,

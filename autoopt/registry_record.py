@@ -121,3 +121,105 @@ def record_variant(reg: Registry, args: RecordArgs) -> tuple[Record, dict, list[
                      compile=args.compile, timeout_s=args.timeout_s)
     rec = record_evidence(reg, args.op, args.variant, device, report, rows, args.agent)
     return rec, report, rows
+
+
+@dataclass(frozen=True)
+class TuneArgs:
+    op: str
+    variant: str
+    configs: Mapping[str, Mapping[str, Any] | None]  # "T=1" -> config (None: DEFAULT_CONFIG)
+    device: str = "auto"
+    seeds: int = 2
+    target: str | None = None
+    warmup: int = 10
+    iters: int = 50
+    timeout_s: float = 600
+    source: str | None = None  # where the configs came from (a sweep's results.json), as text
+
+
+def bucket_shapes(op: str, device: str, target: str | None,
+                  tokens: Sequence[int]) -> dict[int, dict[str, int]]:
+    """token count -> the op's shape there: at `target`'s widths, else the judge's defaults for
+    this device (the shapes the configs are keyed and timed at)."""
+    from autoopt.eval.shapes import default_shapes, target_shapes
+
+    out: dict[int, dict[str, int]] = {}
+    for n in tokens:
+        if target is None:
+            shapes = default_shapes(op, device, [n])
+        else:
+            from autoopt.targets import load_target
+
+            shapes = target_shapes(op, [load_target(target)], [n])
+        if not shapes:
+            raise ValueError(f"{op} has no shape at T={n} on {target or device}")
+        out[n] = dict(shapes[0])
+    return out
+
+
+def tune_variant(reg: Registry, args: TuneArgs) -> tuple[Record | None, dict, list[dict], str]:
+    """Verify a recorded variant with a config per token bucket (each call gets its nearest
+    bucket's, as serving picks), time each bucket's shape with its config beside the default,
+    and propose the configs in the record (`accept` moves them to configs/ and the lock pins
+    them). Nothing is written when the judge rejects it, or on a GPU when a config is slower
+    than the default at its own bucket. Returns (record or None, report, rows, what happened)."""
+    from autoopt.eval.commands import resolve_device
+    from autoopt.eval.run import PerBucket
+    from model.registry.configs import ConfigTable, parse_bucket
+
+    device = resolve_device(args.device)
+    rec = reg.read_record(args.op, args.variant)
+    if rec is None:
+        raise ValueError(f"{args.op}/{args.variant} has no record: record it first "
+                         f"(autoopt registry record {args.op} {args.variant})")
+    variant = reg.read_variant(args.op, args.variant)[0]
+    if rec.variant.sha256 != variant.sha256:
+        raise ValueError(f"{args.op}/{args.variant}.py changed since it was recorded")
+    arch = current_arch(device)
+    if arch == "cpu" and not variant.runs_on_cpu:
+        raise ValueError(f"{args.op}/{args.variant} ({variant.language}) does not run on CPU: "
+                         "tune it on its GPU (--device cuda there)")
+    if not args.configs:
+        raise ValueError("no configs to tune: give a config per bucket, e.g. "
+                         '\'{"T=1": {"BLOCK_N": 4}}\'')
+    bad = [b for b, c in args.configs.items() if c is not None and not isinstance(c, Mapping)]
+    if bad:
+        raise ValueError(f"each bucket's config must be a JSON object or null; not at {bad}")
+    per_token = {parse_bucket(b): (dict(c) if c else None) for b, c in args.configs.items()}
+    shapes = bucket_shapes(args.op, device, args.target, sorted(per_token))
+    per = PerBucket.of(args.op, {f"T={n}": c for n, c in per_token.items()},
+                       served_shapes=list(shapes.values()))
+    path = reg.variant_path(args.op, args.variant)
+    from autoopt.eval import verify_variant
+
+    report = verify_variant(args.op, path, device=device, seeds=args.seeds,
+                            config=per, timeout_s=args.timeout_s, target=args.target).to_dict()
+    if report.get("verdict") != "pass":
+        return None, report, [], "rejected with these configs: nothing written"
+    from autoopt.eval import bench_op
+
+    rows: list[dict] = []
+    for n, shape in shapes.items():
+        for label, cfg in (("default", None), ("tuned", per_token[n])):
+            (row,) = bench_op(args.op, path, [shape], device, warmup=args.warmup,
+                              iters=args.iters, compile=False, config=cfg,
+                              timeout_s=args.timeout_s)
+            rows.append({**row.to_dict(), "config": dict(cfg or {}), "label": label,
+                         "target": args.target or "-"})
+    meaningful = all(r.get("meaningful") for r in rows)
+    slower = [f"T={r['shape']['T']}: {r['median_us']:.2f} us tuned against {d['median_us']:.2f}"
+              for d, r in zip(rows[::2], rows[1::2], strict=True)
+              if r["median_us"] > d["median_us"]]
+    if meaningful and slower:
+        return None, report, rows, ("a tuned config is slower than the default at its own bucket "
+                                    f"({'; '.join(slower)}): nothing written")
+    tuned = [r for r in rows if r["label"] == "tuned"]
+    gpu = tuned[0].get("gpu") or "cpu"
+    table = ConfigTable.from_rows(args.op, gpu, tuned)
+    from autoopt.review import slim_report
+
+    rec = writers.tune(reg, args.op, args.variant, table, {
+        "gpu": gpu, "device": device, "target": args.target, "speed_judged": meaningful,
+        "source": args.source, "verification": [slim_report(report)], "benchmarks": rows})
+    why = "" if meaningful else " (CPU timings: speed not judged)"
+    return rec, report, rows, f"proposed configs for {gpu}{why}; `accept` moves them to configs/"

@@ -72,7 +72,8 @@ def same_code(reg: Registry, op: str, source: str, arch: str | None = None) -> s
     return min(found)[1] if found else None
 
 
-def _slim_report(r: Mapping[str, Any]) -> dict:
+def slim_report(r: Mapping[str, Any]) -> dict:
+    """What a record keeps of a judge's report."""
     keep = ("verdict", "reasons", "device", "seeds", "shapes", "config", "configs", "checks",
             "env", "elapsed_s", "sha256")
     return {k: r.get(k) for k in keep}
@@ -112,7 +113,7 @@ def register_variant(ctx: RunContext, task: Any, path: Path, proposal: Any, sha:
         prov = writers.provenance(str(meta.get("agent", "unknown")), model=meta.get("model"),
                                   parent=task.current_name,
                                   prompt_sha256=meta.get("prompt_hash"), run=ctx.run_dir.name)
-        checks = [Verification.from_report(ctx.arch, _slim_report(r), sha, f"{op}/{name}.py")
+        checks = [Verification.from_report(ctx.arch, slim_report(r), sha, f"{op}/{name}.py")
                   for r in reports]
         optimize = {"run": ctx.run_dir.name, "speedup": speedup,
                     "baseline": task.current_name, "speed_judged": ctx.meaningful,
@@ -146,7 +147,7 @@ def tune_existing(ctx: RunContext, task: Any, name: str, proposal: Any,
         "run": ctx.run_dir.name, "gpu": ctx.gpu, "speedup": speedup,
         "baseline": task.current_name, "speed_judged": ctx.meaningful,
         "agent": proposal.meta.get("agent"), "template": proposal.meta.get("template"),
-        "verification": [_slim_report(r) for r in reports], "benchmarks": _bench_rows(ctx, rows)})
+        "verification": [slim_report(r) for r in reports], "benchmarks": _bench_rows(ctx, rows)})
     locked, where = "", "proposed in its record until accepted"
     if ctx.auto_accept:
         try:

@@ -114,6 +114,50 @@ def test_record_verifies_times_and_writes_the_record(tmp_path):
     assert all(b.get("target") == "cpu-tiny" and not b.meaningful for b in rec.benchmarks)
 
 
+def test_tune_verifies_times_and_proposes_configs_per_bucket(tmp_path):
+    reg = Registry(tmp_path / "k")
+    reg.variant_path("swiglu", "tri").parent.mkdir(parents=True)
+    shutil.copy(CORPUS / "honest_triton_swiglu.py", reg.variant_path("swiglu", "tri"))
+    base = ("--registry", str(reg.root), "--device", "cpu", "--seeds", "0")
+    out = cli("registry", "tune", "swiglu", "tri", *base, "--configs", '{"T=1": {}}')
+    assert out.exit_code == 2 and "has no record" in out.output, out.output
+    out = cli("registry", "record", "swiglu", "tri", *base, "--tokens", "1", "--no-bench")
+    assert out.exit_code == 0, out.output
+    for bad, why in (("{}", "no configs"), ("[1]", "JSON object"), ('{"T=1": 5}', "JSON object"),
+                     ('{"X=1": {}}', "X=1"), ("not json", "Expecting value")):
+        out = cli("registry", "tune", "swiglu", "tri", *base, "--configs", bad)
+        assert out.exit_code == 2 and why in out.output, (bad, out.output)
+    sweep = tmp_path / "results.json"
+    sweep.write_text('{"best": {"T=1": {"BLOCK": 256}}}')
+    out = cli("registry", "tune", "swiglu", "tri", *base, "--warmup", "1", "--iters", "2",
+              "--configs", '{"T=1": {"BLOCK": 256}, "T=17": {"BLOCK": 4096}}',
+              "--source", str(sweep))
+    assert out.exit_code == 0, out.output
+    assert "speed not judged" in out.output
+    rec = reg.read_record("swiglu", "tri")
+    assert rec.status == "candidate" and rec.verdicts() == {"cpu": "pass"}  # record untouched
+    proposed = rec.proposed_configs.to_json()["cpu"]
+    assert [c for by_bucket in proposed.values() for c in by_bucket.values()] == [
+        {"BLOCK": 256}, {"BLOCK": 4096}], proposed
+    (tuning,) = rec.tunings
+    assert tuning["verification"][0]["verdict"] == "pass" and "BLOCK" in tuning["source"]
+    assert [(r["label"], r["shape"]["T"]) for r in tuning["benchmarks"]] == [
+        ("default", 1), ("tuned", 1), ("default", 17), ("tuned", 17)]
+
+
+def test_tune_writes_nothing_when_the_judge_rejects_the_configs(tmp_path):
+    reg = Registry(tmp_path / "k")
+    reg.variant_path("swiglu", "tri").parent.mkdir(parents=True)
+    shutil.copy(CORPUS / "honest_triton_swiglu.py", reg.variant_path("swiglu", "tri"))
+    base = ("--registry", str(reg.root), "--device", "cpu", "--seeds", "0")
+    assert cli("registry", "record", "swiglu", "tri", *base, "--tokens", "1",
+               "--no-bench").exit_code == 0
+    before = reg.record_path("swiglu", "tri").read_bytes()
+    out = cli("registry", "tune", "swiglu", "tri", *base, "--configs", '{"T=1": {"BLOCK": 3}}')
+    assert out.exit_code == 1 and "nothing written" in out.output, out.output
+    assert reg.record_path("swiglu", "tri").read_bytes() == before
+
+
 def test_migrate_command_is_idempotent_on_a_current_registry(reg):
     out = cli("registry", "migrate", "--registry", str(reg.root))
     assert out.exit_code == 0 and "already schema 2" in out.output
