@@ -9,7 +9,8 @@ config runs at the target's widths (h200-tp8-decode), is checked against the ref
 raw ulp difference, reported, not judged: `autoopt verify` judges) and timed by CUDA-graph
 replay over input sets that exceed the L2 (`autoopt.eval.timing.time_callable`). A config that
 fails to compile or run is listed with its error. Writes results.json; prints one line per row,
-fastest first per T.
+fastest first per T, and the `autoopt registry tune` command that verifies and proposes the
+fastest config of each T (results.json "best").
 """
 
 from __future__ import annotations
@@ -95,7 +96,23 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     env = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
            "torch": torch.__version__}
-    (a.out / "results.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    best = best_configs(rows, a.variant)
+    (a.out / "results.json").write_text(json.dumps({"env": env, "rows": rows, "best": best},
+                                                   indent=1))
+    if any(best.values()):
+        print("to verify and propose these per bucket (on the GPU; then `autoopt registry accept`):"
+              f"\n  autoopt registry tune {a.op} {a.variant} --target h200-tp8-decode --configs "
+              f"'{json.dumps(best, separators=(',', ':'))}' --source {a.out / 'results.json'}")
+
+
+def best_configs(rows: list[dict], variant: str) -> dict[str, dict]:
+    """{"T=n": the fastest config of `variant` at T = n}, {} where the defaults were fastest (or
+    nothing ran)."""
+    best: dict[str, dict] = {}
+    for t in sorted({r["shape"]["T"] for r in rows}):
+        timed = [r for r in rows if r["shape"]["T"] == t and r["impl"] == variant and "us" in r]
+        best[f"T={t}"] = dict(min(timed, key=lambda r: r["us"])["config"]) if timed else {}
+    return best
 
 
 if __name__ == "__main__":
