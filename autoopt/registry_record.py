@@ -221,5 +221,5 @@ def tune_variant(reg: Registry, args: TuneArgs) -> tuple[Record | None, dict, li
     rec = writers.tune(reg, args.op, args.variant, table, {
         "gpu": gpu, "device": device, "target": args.target, "speed_judged": meaningful,
         "source": args.source, "verification": [slim_report(report)], "benchmarks": rows})
-    why = "" if meaningful else " (CPU timings: speed not judged)"
+    why = "" if meaningful else " (timings not meaningful here: speed not judged)"
     return rec, report, rows, f"proposed configs for {gpu}{why}; `accept` moves them to configs/"

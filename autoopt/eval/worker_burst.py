@@ -85,19 +85,21 @@ def release_generators() -> None:
     after cudaStreamEndCapture succeeds; after a capture that failed (an unjoined side stream, a
     host sync), every later random op outside a graph raises "Offset increment outside graph
     capture encountered unexpectedly". A generator that still draws is left as it is; a stuck one
-    gets a fresh state with its seed and offset."""
-    for gen in torch.cuda.default_generators:
-        probe = torch.empty(1, device=gen.device)
-        try:
-            probe.uniform_(generator=gen)
-            continue
-        except RuntimeError as e:
-            if "graph capture" not in str(e):
-                raise
-        fresh = torch.Generator(device=gen.device)
-        fresh.manual_seed(gen.initial_seed())
-        fresh.set_offset(gen.get_offset())
-        gen.graphsafe_set_state(fresh)
+    gets a fresh state with its seed and offset. Only the current device's (the one captured on):
+    probing the others would start a context on every GPU."""
+    if not torch.cuda.is_initialized():
+        return
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    try:
+        torch.empty(1, device=gen.device).uniform_(generator=gen)
+        return
+    except RuntimeError as e:
+        if "graph capture" not in str(e):
+            raise
+    fresh = torch.Generator(device=gen.device)
+    fresh.manual_seed(gen.initial_seed())
+    fresh.set_offset(gen.get_offset())
+    gen.graphsafe_set_state(fresh)
 
 
 def poison(state: _State, msg: dict, fds: list) -> dict:
