@@ -138,12 +138,13 @@ class TuneArgs:
 
 
 def bucket_shapes(op: str, device: str, target: str | None,
-                  tokens: Sequence[int]) -> dict[int, dict[str, int]]:
-    """token count -> the op's shape there: at `target`'s widths, else the judge's defaults for
-    this device (the shapes the configs are keyed and timed at)."""
+                  tokens: Sequence[int]) -> list[tuple[int, dict[str, int]]]:
+    """(token count, shape) for every shape of the op at each count: at `target`'s widths, else
+    the judge's defaults for this device (the shapes the configs are keyed and timed at; an op
+    called at two widths, such as swiglu's dense and expert MLPs, has both)."""
     from autoopt.eval.shapes import default_shapes, target_shapes
 
-    out: dict[int, dict[str, int]] = {}
+    out: list[tuple[int, dict[str, int]]] = []
     for n in tokens:
         if target is None:
             shapes = default_shapes(op, device, [n])
@@ -153,7 +154,7 @@ def bucket_shapes(op: str, device: str, target: str | None,
             shapes = target_shapes(op, [load_target(target)], [n])
         if not shapes:
             raise ValueError(f"{op} has no shape at T={n} on {target or device}")
-        out[n] = dict(shapes[0])
+        out += [(n, dict(s)) for s in shapes]
     return out
 
 
@@ -188,7 +189,7 @@ def tune_variant(reg: Registry, args: TuneArgs) -> tuple[Record | None, dict, li
     per_token = {parse_bucket(b): (dict(c) if c else None) for b, c in args.configs.items()}
     shapes = bucket_shapes(args.op, device, args.target, sorted(per_token))
     per = PerBucket.of(args.op, {f"T={n}": c for n, c in per_token.items()},
-                       served_shapes=list(shapes.values()))
+                       served_shapes=[s for _, s in shapes])
     path = reg.variant_path(args.op, args.variant)
     from autoopt.eval import verify_variant
 
@@ -199,7 +200,7 @@ def tune_variant(reg: Registry, args: TuneArgs) -> tuple[Record | None, dict, li
     from autoopt.eval import bench_op
 
     rows: list[dict] = []
-    for n, shape in shapes.items():
+    for n, shape in shapes:
         for label, cfg in (("default", None), ("tuned", per_token[n])):
             (row,) = bench_op(args.op, path, [shape], device, warmup=args.warmup,
                               iters=args.iters, compile=False, config=cfg,
