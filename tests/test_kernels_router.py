@@ -1,5 +1,6 @@
-"""router triton_v1 against the router reference: ids exactly (modulo FP32 ties), weights within
-the op's policy, at the real width (H=5120, E=256, 8 groups, top-4 groups, top-8) and smaller.
+"""router triton_v1 and triton_v2 against the router reference: ids exactly (modulo FP32 ties),
+weights within the op's policy, at the real width (H=5120, E=256, 8 groups, top-4 groups, top-8)
+and smaller.
 
 On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py). The policy is judged with the
 harness's own code (autoopt.eval.numerics), so these tests and `autoopt verify` agree.
@@ -26,9 +27,23 @@ C = CONTRACTS["router"]
 REAL = {"H": 5120, "E": 256, "n_group": 8, "topk_group": 4, "top_k": 8}
 
 
+VARIANTS = ["triton_v1", "triton_v2"]
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def mod(request):
+    """Each hand-written variant in turn (the tests that hold for any router kernel)."""
+    return Registry().load_variant("router", request.param)
+
+
 @pytest.fixture(scope="module")
-def mod():
+def v1():
     return Registry().load_variant("router", "triton_v1")
+
+
+@pytest.fixture(scope="module")
+def v2():
+    return Registry().load_variant("router", "triton_v2")
 
 
 def check(args: tuple, got: tuple, ref: tuple | None = None) -> list[dict]:
@@ -72,21 +87,21 @@ def _configs(mod) -> list[dict]:
 
 
 @pytest.mark.parametrize("t", [1, 6, pytest.param(17, marks=pytest.mark.slow)])
-def test_every_config_is_the_same_function(mod, t):
+def test_every_config_is_the_same_function(v1, t):
     args = C.make_inputs({"T": t, "H": 320, "E": 256}, 3)
     ref = C.reference(*args)
-    for cfg in _configs(mod):
-        check(args, mod.run(*args, config=cfg), ref)
+    for cfg in _configs(v1):
+        check(args, v1.run(*args, config=cfg), ref)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", [{}, {"LIB_GEMM": 0, "BLOCK_T": 16, "BLOCK_E": 32,
                                       "SPLIT_K": 2, "SEL_T": 8}])
-def test_prefill_2048_tokens(mod, cfg):
+def test_prefill_2048_tokens(v1, cfg):
     # T=2048 takes the prefill path: the library GEMM (default) or the FMA tiles; every row is
     # checked (narrow H keeps the interpreter affordable; the real width is checked below).
     args = C.make_inputs({"T": 2048, "H": 48, "E": 256}, 11)
-    check(args, mod.run(*args, config={"SEL_T": 8, "SEL_WARPS": 4, **cfg}))
+    check(args, v1.run(*args, config={"SEL_T": 8, "SEL_WARPS": 4, **cfg}))
 
 
 @pytest.mark.slow
@@ -100,21 +115,21 @@ def test_prefill_2048_tokens_at_real_width(mod):
     check(args, (w, ids), (rw, rids))
 
 
-def test_prefill_tiles_at_real_width_few_rows(mod):
+def test_prefill_tiles_at_real_width_few_rows(v1):
     # The FMA tiles (no tl.dot) over the full H=5120 reduction, on a few tokens.
     args = C.make_inputs({"T": 19, **REAL}, 13)
-    check(args, mod.run(*args, config={"LIB_GEMM": 0, "BLOCK_T": 16, "BLOCK_E": 32,
+    check(args, v1.run(*args, config={"LIB_GEMM": 0, "BLOCK_T": 16, "BLOCK_E": 32,
                                        "BLOCK_K": 512, "SPLIT_K": 1, "SEL_T": 8}))
 
 
-def test_fused_and_two_kernel_paths_agree_bitwise(mod):
+def test_fused_and_two_kernel_paths_agree_bitwise(v1):
     args = C.make_inputs({"T": 7, "H": 640, "E": 256}, 4)
     base = {"BLOCK_T": 8, "BLOCK_E": 16, "BLOCK_K": 64, "SPLIT_K": 5, "SEL_T": 8}
-    w1, i1 = mod.run(*args, config={**base, "FUSE": 1})
-    w0, i0 = mod.run(*args, config={**base, "FUSE": 0})
+    w1, i1 = v1.run(*args, config={**base, "FUSE": 1})
+    w0, i0 = v1.run(*args, config={**base, "FUSE": 0})
     assert torch.equal(i1, i0) and torch.equal(w1.view(torch.int32), w0.view(torch.int32))
     # The fused path's counter is re-armed: a second call computes the same again.
-    w2, i2 = mod.run(*args, config={**base, "FUSE": 1})
+    w2, i2 = v1.run(*args, config={**base, "FUSE": 1})
     assert torch.equal(i2, i1) and torch.equal(w2.view(torch.int32), w1.view(torch.int32))
 
 
@@ -201,12 +216,67 @@ def test_bad_input_raises_a_clear_error(mod, bad, match):
         mod.run(h, w, b, ng, tg, k)
 
 
+@pytest.mark.parametrize("scale", ["tiny", "huge"])
+def test_saturated_and_flat_sigmoids(mod, scale):
+    # Tiny h puts every s at 0.5 (selection by the bias alone, every weight tied); huge h
+    # saturates many s to exactly 0 or 1 (c ties wherever biases meet).
+    h, w, b, ng, tg, k = C.make_inputs({"T": 5, **REAL}, 7)
+    args = (h * (2.0**-20 if scale == "tiny" else 2.0**6), w, b, ng, tg, k)
+    check(args, mod.run(*args))
+
+
+# --- triton_v2's own paths ---------------------------------------------------------------------
+
+def _v2_configs(v2) -> list[dict]:
+    # Whole-expert programs from one expert to 32, unrolled K (<= 8 steps) and a K loop, one to
+    # eight warps, token blocks of one to eight, the two-kernel path and the library GEMM.
+    picks = [{}, {"FUSE": 0}, {"BLOCK_E": 1, "BLOCK_K": 128, "num_warps": 1},
+             {"BLOCK_E": 32, "BLOCK_K": 64, "BLOCK_T": 4, "num_warps": 8},
+             {"BLOCK_E": 4, "BLOCK_K": 512, "BLOCK_T": 8, "num_warps": 2},
+             {"FUSE": 0, "BLOCK_T": 16, "SEL_WARPS": 1}, {"LIB_GEMM": 1, "SEL_WARPS": 8}]
+    for p in picks:
+        assert all(v in v2.CONFIG_SPACE[k] for k, v in p.items()), p
+    return picks
+
+
+@pytest.mark.parametrize("t", [1, 6, pytest.param(17, marks=pytest.mark.slow)])
+def test_v2_every_config_is_the_same_function(v2, t):
+    args = C.make_inputs({"T": t, "H": 640, "E": 256}, 3)  # BLOCK_K 64: a 10-step K loop
+    ref = C.reference(*args)
+    for cfg in _v2_configs(v2):
+        check(args, v2.run(*args, config=cfg), ref)
+
+
+def test_v2_fused_and_two_kernel_paths_agree_bitwise(v2):
+    args = C.make_inputs({"T": 7, "H": 640, "E": 256}, 4)
+    base = {"BLOCK_T": 2, "BLOCK_E": 4, "BLOCK_K": 128}  # four token blocks, four counters
+    w1, i1 = v2.run(*args, config={**base, "FUSE": 1})
+    w0, i0 = v2.run(*args, config={**base, "FUSE": 0})
+    assert torch.equal(i1, i0) and torch.equal(w1.view(torch.int32), w0.view(torch.int32))
+    # Every token block's counter is re-armed: later calls compute the same again.
+    for _ in range(2):
+        w2, i2 = v2.run(*args, config={**base, "FUSE": 1})
+        assert torch.equal(i2, i1) and torch.equal(w2.view(torch.int32), w1.view(torch.int32))
+    assert not v2._counter(torch.device("cpu")).any()
+
+
+def test_v2_library_logits_give_the_reference_ids(v2):
+    # Above 64 tokens (or with LIB_GEMM) the logits are the reference's own GEMM: the ids are
+    # the reference's exactly, and the weights within the policy.
+    args = C.make_inputs({"T": 70, "H": 320, "E": 256}, 9)
+    w, ids = v2.run(*args)
+    rw, rids = C.reference(*args)
+    assert torch.equal(ids, rids)
+    check(args, (w, ids), (rw, rids))
+
+
 @pytest.mark.slow
-def test_harness_verifies_it_on_cpu():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_harness_verifies_it_on_cpu(variant):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         [sys.executable, "-m", "autoopt.cli", "verify", "--op", "router", "--variant",
-         "triton_v1", "--device", "cpu", "--json"],
+         variant, "--device", "cpu", "--json"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     report = json.loads(proc.stdout)
     assert report["verdict"] == "pass", report["reasons"]
@@ -287,7 +357,7 @@ def test_template_renders_and_tuned_configs_stay_in_policy(tmp_path):
 
 
 @pytest.mark.slow
-def test_template_and_triton_v1_compile_for_sm90(tmp_path):
+def test_template_and_hand_written_variants_compile_for_sm90(tmp_path):
     import triton
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -300,6 +370,10 @@ def test_template_and_triton_v1_compile_for_sm90(tmp_path):
         res = subprocess.run([sys.executable, "-c", _SM90, str(path)], env=env,
                              capture_output=True, text=True, timeout=600)
         assert res.returncode == 0 and res.stdout.count("ok") == 4, res.stderr[-3000:]
+    res = subprocess.run([sys.executable, "-c", _SM90_V2,
+                          str(ROOT / "kernels" / "router" / "triton_v2.py")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.count("ok") == 4, res.stderr[-3000:]
 
 
 # The fused decode kernels (FMA GEMV + atomic counter + selection), the FMA prefill tiles (a
@@ -325,4 +399,28 @@ for cfg in (dict(BLOCK_T=1, BLOCK_E=16, BLOCK_K=256, K_STEPS=1, FUSE=True),
     go(m._router_gemv_kernel, gemv, {**base, **cfg, "H_BF16": True, "SEL_T": cfg["BLOCK_T"],
                                      "SPLIT": 5120 // (cfg["K_STEPS"] * cfg["BLOCK_K"])})
 go(m._router_select_kernel, [F, F, F, "*i64", N] + [C] * 7, {**base, "SEL_T": 4, "SPLIT": 20})
+'''
+
+# triton_v2: the fused kernel (whole-expert GEMV, per-block counter, ranking selection) unrolled
+# and as a K loop, the GEMV alone, and the selection kernel from logits.
+_SM90_V2 = '''
+import importlib.util, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+spec = importlib.util.spec_from_file_location("v", sys.argv[1])
+m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
+P, F, N, C = "*bf16", "*fp32", "i32", "constexpr"
+base = dict(E=256, NG=8, TOPK_GROUP=4, TOP_K=8, ON_GPU=True)
+def go(fn, types, cx):
+    k = triton.compile(ASTSource(fn, dict(zip(fn.arg_names, types)), cx),
+                       target=GPUTarget("cuda", 90, 32))
+    assert ".target sm_90" in k.asm["ptx"]
+    print("ok")
+gemv = [P, F, F, F, F, "*i64", "*i32", N, N, N, N] + [C] * 11
+for cfg in (dict(BLOCK_T=1, BLOCK_E=2, BLOCK_K=1024, K_STEPS=5, FUSE=True),
+            dict(BLOCK_T=2, BLOCK_E=2, BLOCK_K=256, K_STEPS=20, FUSE=True),
+            dict(BLOCK_T=16, BLOCK_E=8, BLOCK_K=64, K_STEPS=80, FUSE=False)):
+    go(m._router_gemv_kernel, gemv, {**base, **cfg, "H_BF16": True})
+go(m._router_select_kernel, [F, F, F, "*i64", N] + [C] * 6, {**base, "FROM_LOGITS": True})
 '''
