@@ -219,8 +219,29 @@ def tune_variant(reg: Registry, args: TuneArgs) -> tuple[Record | None, dict, li
     table = ConfigTable.from_rows(args.op, gpu, tuned)
     from autoopt.review import slim_report
 
+    outside = outside_space(path.read_text(), per_token)
     rec = writers.tune(reg, args.op, args.variant, table, {
         "gpu": gpu, "device": device, "target": args.target, "speed_judged": meaningful,
-        "source": args.source, "verification": [slim_report(report)], "benchmarks": rows})
+        "source": args.source, "verification": [slim_report(report)], "benchmarks": rows,
+        **({"outside_config_space": outside} if outside else {})})
     why = "" if meaningful else " (timings not meaningful here: speed not judged)"
-    return rec, report, rows, f"proposed configs for {gpu}{why}; `accept` moves them to configs/"
+    beyond = (f"; beyond the file's CONFIG_SPACE (verified as given): {', '.join(outside)}"
+              if outside else "")
+    return rec, report, rows, (f"proposed configs for {gpu}{why}; `accept` moves them to "
+                               f"configs/{beyond}")
+
+
+def outside_space(source: str, per_token: Mapping[int, Mapping | None]) -> list[str]:
+    """'T=1 BLOCK_N=1' for each tuned value the variant's CONFIG_SPACE does not list. The space
+    is what the template agent searches, not a rule: a hand sweep may go past it, and the judge
+    verifies whatever configs it is given, but the proposal says so for the reviewer."""
+    from autoopt.agents.template import _module_literal
+
+    try:
+        space = _module_literal(source, "CONFIG_SPACE")
+    except (SyntaxError, ValueError):
+        space = None
+    if not isinstance(space, Mapping):
+        return []
+    return [f"T={n} {k}={v}" for n, cfg in sorted(per_token.items()) for k, v in
+            sorted((cfg or {}).items()) if k not in space or v not in space[k]]
