@@ -108,7 +108,10 @@ def record(
 def tune(
     op: str = _OP, variant: str = _VARIANT, registry: Path = _REGISTRY,
     configs: str = typer.Option(..., "--configs", help="JSON config per token bucket, e.g. "
-                                '\'{"T=1": {"BLOCK_K": 1024}, "T=2": {...}}\' (a sweep\'s best).'),
+                                '\'{"T=1": {"BLOCK_K": 1024}, "T=4": null}\' (a sweep\'s best). '
+                                "A call takes the bucket nearest its T (in log2), so the last "
+                                "config also serves every T above it: a null bucket after it "
+                                "hands those back to the file's defaults."),
     device: str = typer.Option("auto", help="cpu, cuda or auto (cuda when present)."),
     target: str = typer.Option(None, "--target", help="Verify and time at this target's "
                                "widths (e.g. h200-tp8-decode; default: the judge's)."),

@@ -162,6 +162,43 @@ def test_tune_says_which_values_lie_beyond_the_declared_space(tmp_path):
     assert list(tuning["outside_config_space"]) == ["T=1 BLOCK=512"]
 
 
+def test_tune_judges_speed_only_where_a_bucket_has_a_config(tmp_path, monkeypatch):
+    # Timings that count (as on a GPU): a tuned config slower than the default writes nothing,
+    # but a null bucket (the file's defaults, bounding the configs below it) runs the same
+    # config twice, so its order is noise and is not held against the proposal.
+    import autoopt.eval as ev
+    from autoopt.registry_record import TuneArgs, tune_variant
+
+    reg = Registry(tmp_path / "k")
+    reg.variant_path("swiglu", "tri").parent.mkdir(parents=True)
+    shutil.copy(CORPUS / "honest_triton_swiglu.py", reg.variant_path("swiglu", "tri"))
+    base = ("--registry", str(reg.root), "--device", "cpu", "--seeds", "0")
+    assert cli("registry", "record", "swiglu", "tri", *base, "--tokens", "1",
+               "--no-bench").exit_code == 0
+    speed: dict[int, list[float]] = {}  # per T: the default's time, then the tuned one's
+
+    class Row:
+        def __init__(self, shape):
+            self.d = {"shape": dict(shape), "median_us": speed[shape["T"]].pop(0),
+                      "meaningful": True, "gpu": "cpu"}
+
+        def to_dict(self):
+            return dict(self.d)
+
+    monkeypatch.setattr(ev, "verify_variant", lambda *a, **k: type(
+        "R", (), {"to_dict": lambda self: {"verdict": "pass", "reasons": []}})())
+    monkeypatch.setattr(ev, "bench_op", lambda op, path, shapes, device, **k: [Row(shapes[0])])
+    args = TuneArgs("swiglu", "tri", {"T=1": {"BLOCK": 256}, "T=4": None}, "cpu", 0)
+    # The null bucket's second timing of the same config comes out slower: not a verdict.
+    speed.update({1: [10.0, 8.0], 4: [4.9, 5.0]})
+    rec, _, rows, what = tune_variant(reg, args)
+    assert rec is not None and "proposed" in what, what
+    assert [r["median_us"] for r in rows] == [10.0, 8.0, 4.9, 5.0]
+    speed.update({1: [10.0, 11.0], 4: [5.0, 5.0]})  # a real config slower: nothing written
+    rec, _, _, what = tune_variant(reg, args)
+    assert rec is None and "T=1: 11.00 us tuned against 10.00" in what, what
+
+
 def test_tune_writes_nothing_when_the_judge_rejects_the_configs(tmp_path):
     reg = Registry(tmp_path / "k")
     reg.variant_path("swiglu", "tri").parent.mkdir(parents=True)

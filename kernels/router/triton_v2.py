@@ -58,7 +58,7 @@ CONFIG_SPACE = {
 # Unset keys follow `default_config(T)`.
 DEFAULT_CONFIG: dict = {}
 FUSE_MAX_T = 8  # the fused tail selects token after token: decode only
-UNROLL_MAX = 8  # K ranges of up to this many BLOCK_K steps are unrolled (all loads in flight)
+UNROLL_MAX = tl.constexpr(8)  # K ranges of up to this many BLOCK_K steps are unrolled
 # Above this many tokens the reference's cuBLAS logits are used whatever the config says (the
 # FMA tiles are slower there, and the library's logits are the reference's bit for bit).
 FMA_TILES_MAX_T = 64
