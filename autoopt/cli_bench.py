@@ -105,8 +105,10 @@ def bench_model(
                                 "reference-graphs (the MoE's capturable library path, so the "
                                 "step replays from CUDA graphs), tuned, compile, "
                                 "tuned+compile (the lock, Inductor for the rest), or "
-                                "lock file paths (default: reference,tuned,compile on a GPU; "
-                                "reference,tuned on the CPU)."),
+                                "lock file paths (a copy's registry.lock.toml reads that "
+                                "copy's variants and configs: a before beside its after; "
+                                "default: reference,tuned,compile on a GPU; reference,tuned on "
+                                "the CPU)."),
     attention_backend: str = typer.Option("auto", "--attention-backend",
                                           help="auto, torch or flashinfer."),
     phase: str = typer.Option(None, "--phase", help="decode or prefill (default: the "

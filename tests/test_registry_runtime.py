@@ -189,6 +189,26 @@ def test_a_lock_file_by_path_and_a_missing_one(reg, tmp_path):
         resolve_ops("tuned", tmp_path / "no-registry-here")
 
 
+
+def test_a_registry_copy_taken_before_a_change_is_that_changes_before(reg, tmp_path):
+    # Tune and accept change the configs a lock pins; a copy of the registry taken first is the
+    # "before" of one side-by-side run: its own registry.lock.toml, given by path, reads its own
+    # configs and records, whatever the registry the other sets come from.
+    before = tmp_path / "before"
+    shutil.copytree(reg.root, before)
+    table = ConfigTable.from_rows("rmsnorm", "cpu", [{"shape": {"T": 4, "H": 64},
+                                                      "config": {"BLOCK": 32}}])
+    writers.tune(reg, "rmsnorm", "torch_v1", table, {"run": "r"})
+    writers.accept(reg, "rmsnorm", "torch_v1", "cpu")
+    after, refused = resolve(reg)
+    assert refused == [] and after.sources["rmsnorm"].startswith("torch_v1")
+    old, refused = resolve(reg, kernels=before / "registry.lock.toml")
+    assert refused == [] and old.sources["rmsnorm"].startswith("torch_v1")
+    assert old.resolution["rmsnorm"].refused is None
+    # The same lock under another name reads the registry given: the new configs, refused.
+    renamed = tmp_path / "before.lock.toml"
+    shutil.copy(before / "registry.lock.toml", renamed)
+    assert "configs changed since it was locked" in _refused_once(reg, "rmsnorm", kernels=renamed)
 def test_fp32_models_run_the_references(reg):
     table, refused = resolve(reg, dtype=torch.float32)
     assert refused == [] and set(table.sources.values()) == {"reference"}

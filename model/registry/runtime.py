@@ -27,7 +27,7 @@ from model.ops import CONTRACTS, OpTable
 
 from .configs import ConfigTable, call_axes
 from .languages import language, library_problem
-from .lock import LockEntry
+from .lock import LOCK_NAME, LockEntry
 from .names import KernelRefusedWarning, RegistryError
 from .schema import Variant
 from .store import Registry
@@ -260,7 +260,10 @@ def resolve_ops(kernels: str | Path = "tuned", registry: str | Path | Registry |
     """The OpTable for `--kernels tuned|reference|<lock file>` on this machine.
 
     `tuned` reads the registry's own lock, a path reads that lock file (variants and evidence
-    still come from `registry`, default: registry.paths.shipped_root()). The section is this
+    still come from `registry`, default: registry.paths.shipped_root()), except that a file
+    named registry.lock.toml is another registry's own lock, so variants, records and configs
+    come from its folder (a copy of kernels/ taken before a change is that change's "before",
+    measured beside it in one run). The section is this
     machine's arch (from `device`, or `arch` to override). Variants implement the BF16
     contracts: a model of another `dtype` runs every reference, said in `table.resolution`.
     `allow_candidates` also loads verified candidates (the optimize loop's trial of a new set;
@@ -277,6 +280,8 @@ def resolve_ops(kernels: str | Path = "tuned", registry: str | Path | Registry |
         table.resolution = resolution
         log.info("--kernels %s: compiled by Inductor: %s", kernels, ", ".join(compiled))
         return table
+    if str(kernels) not in ("tuned", "reference") and Path(kernels).name == LOCK_NAME:
+        registry = Path(kernels).resolve().parent
     reg = registry if isinstance(registry, Registry) else Registry(registry)
     if registry is not None and not reg.root.is_dir():
         raise RegistryError(f"no registry at {reg.root} (a directory of <op>/<variant>.py "
