@@ -205,10 +205,12 @@ def test_a_registry_copy_taken_before_a_change_is_that_changes_before(reg, tmp_p
     old, refused = resolve(reg, kernels=before / "registry.lock.toml")
     assert refused == [] and old.sources["rmsnorm"].startswith("torch_v1")
     assert old.resolution["rmsnorm"].refused is None
-    # The same lock under another name reads the registry given: the new configs, refused.
-    renamed = tmp_path / "before.lock.toml"
-    shutil.copy(before / "registry.lock.toml", renamed)
-    assert "configs changed since it was locked" in _refused_once(reg, "rmsnorm", kernels=renamed)
+    # The same lock under another name, or alone in a folder without op folders, reads the
+    # registry given: the new configs, refused.
+    (tmp_path / "lone").mkdir()
+    for other in (tmp_path / "before.lock.toml", tmp_path / "lone" / "registry.lock.toml"):
+        shutil.copy(before / "registry.lock.toml", other)
+        assert "configs changed since it was locked" in _refused_once(reg, "rmsnorm", kernels=other)
 def test_fp32_models_run_the_references(reg):
     table, refused = resolve(reg, dtype=torch.float32)
     assert refused == [] and set(table.sources.values()) == {"reference"}

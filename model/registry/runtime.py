@@ -254,6 +254,11 @@ def _lock_entries(reg: Registry, kernels: str | Path, arch: str) -> dict[str, Lo
 COMPILE_SUFFIX = "+compile"
 
 
+def _own_registry(lock: Path) -> bool:
+    """A registry.lock.toml beside op folders: the lock of that registry (a copy of kernels/)."""
+    return lock.name == LOCK_NAME and any((lock.parent / op).is_dir() for op in CONTRACTS)
+
+
 def resolve_ops(kernels: str | Path = "tuned", registry: str | Path | Registry | None = None,
                 arch: str | None = None, device: str | torch.device | None = None,
                 dtype: torch.dtype | None = None, allow_candidates: bool = False) -> OpTable:
@@ -261,11 +266,11 @@ def resolve_ops(kernels: str | Path = "tuned", registry: str | Path | Registry |
 
     `tuned` reads the registry's own lock, a path reads that lock file (variants and evidence
     still come from `registry`, default: registry.paths.shipped_root()), except that a file
-    named registry.lock.toml is another registry's own lock, so variants, records and configs
-    come from its folder (a copy of kernels/ taken before a change is that change's "before",
-    measured beside it in one run). The section is this
-    machine's arch (from `device`, or `arch` to override). Variants implement the BF16
-    contracts: a model of another `dtype` runs every reference, said in `table.resolution`.
+    named registry.lock.toml beside op folders is another registry's own lock, so variants,
+    records and configs come from its folder (a copy of kernels/ taken before a change is that
+    change's "before", measured beside it in one run). The section is this machine's arch
+    (from `device`, or `arch` to override). Variants implement the BF16 contracts: a model of
+    another `dtype` runs every reference, said in `table.resolution`.
     `allow_candidates` also loads verified candidates (the optimize loop's trial of a new set;
     never the serving default). A `+compile` suffix (`tuned+compile`, `LOCK+compile`) runs every
     op the set leaves at the reference under torch.compile (model/ops/compiled.py).
@@ -280,7 +285,7 @@ def resolve_ops(kernels: str | Path = "tuned", registry: str | Path | Registry |
         table.resolution = resolution
         log.info("--kernels %s: compiled by Inductor: %s", kernels, ", ".join(compiled))
         return table
-    if str(kernels) not in ("tuned", "reference") and Path(kernels).name == LOCK_NAME:
+    if str(kernels) not in ("tuned", "reference") and _own_registry(Path(kernels)):
         registry = Path(kernels).resolve().parent
     reg = registry if isinstance(registry, Registry) else Registry(registry)
     if registry is not None and not reg.root.is_dir():
