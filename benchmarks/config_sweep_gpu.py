@@ -35,6 +35,18 @@ from autoopt.eval.timing import time_callable  # noqa: E402
 from model.ops import contract as get_contract  # noqa: E402
 
 
+def differences(out: tuple, ref: tuple) -> dict:
+    """Reported, not judged: the largest raw ulp difference over the floating-point outputs and,
+    where an output is integer (the router's expert ids), how many of its elements differ."""
+    pairs = list(zip(out, ref, strict=True))
+    diff = {"max_ulp": max((int(ulp_diff(o, r).abs().max()) if o.numel() else 0
+                            for o, r in pairs if r.is_floating_point()), default=0)}
+    whole = [(o, r) for o, r in pairs if not r.is_floating_point()]
+    if whole:
+        diff["ids_off"] = sum(int((o != r).sum()) for o, r in whole)
+    return diff
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--op", required=True)
@@ -78,8 +90,7 @@ def main() -> None:
             try:
                 out = mod.run(*args, config=cfg)
                 out = out if isinstance(out, tuple) else (out,)
-                row["max_ulp"] = max(int(ulp_diff(o, r).abs().max()) if o.numel() else 0
-                                     for o, r in zip(out, ref, strict=True))
+                row.update(differences(out, ref))
                 tm = time_callable(lambda *x, cfg=cfg: mod.run(*x, config=cfg), sets, device=dev,
                                    warmup=3, iters=a.iters)
                 row["us"], row["iqr_us"] = tm.median_us, tm.iqr_us
@@ -90,8 +101,9 @@ def main() -> None:
                       key=lambda r: r["us"])
         print(f"T={shape['T']} ({time.time() - t0:.0f} s)")
         for r in done + [r for r in rows if r["shape"] == shape and "error" in r]:
+            ids = f" ids off {r['ids_off']}" if "ids_off" in r else ""
             print(f"  {r['impl']:20} {json.dumps(r.get('config', {})):60} "
-                  f"{r.get('us', float('nan')):8.2f} us  max_ulp {r.get('max_ulp', '-')} "
+                  f"{r.get('us', float('nan')):8.2f} us  max_ulp {r.get('max_ulp', '-')}{ids} "
                   f"{r.get('error', '')}", flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
     env = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
