@@ -153,16 +153,17 @@ def profile_batches(target: Target | str | Path, batches: Sequence[int], *,
             p = _profile_one(t, served, b, rank.layers, kernels, seed, proxy_note, rates, reps,
                              notes)
             out.append(dataclasses.replace(p, sources=dict(served.model.ops.sources)))
-        if ncu_sample or backend == "ncu":
-            from .nsight import sample_top_kernels
-
-            out = [sample_top_kernels(p, ncu_sample or 32, registry, ncu_timeout_s)
-                   for p in out]
-        return out
     finally:
         if served is not None:
             served.close()
         free_model(rank)
+    if ncu_sample or backend == "ncu":
+        # After the model and its KV cache are handed back: ncu's child builds its own model
+        # on the same GPU, and the served step's cache would leave it no room.
+        from .nsight import sample_top_kernels
+
+        out = [sample_top_kernels(p, ncu_sample or 32, registry, ncu_timeout_s) for p in out]
+    return out
 
 
 def _time_steps(served, reps: int) -> list[float]:
