@@ -132,6 +132,39 @@ def test_a_near_miss_inside_the_candidates_own_error_is_no_verdict():
     assert judged(17, 17, 2) == judged(22, 21, 4) == \
         "not distinguishable from the candidate's own error on these inputs"
     assert judged(5, 5, 0) == "not distinguishable on these inputs"
+    # An FP32 reorder flips one element next to a BF16 boundary, and the kernel rounded it as
+    # the near miss does: one element is no evidence (an honest MoE kernel was rejected so).
+    assert judged(1, 0, 1).startswith("too few elements tell it from the reference")
+    assert judged(7, 0, 7).startswith("too few elements")
+    assert judged(8, 0, 8) == "closer to the near miss"
+
+
+def test_the_moe_combine_order_cannot_make_an_honest_kernel_a_near_miss():
+    # Seed 0 at T=8, H=222: torch's CPU sum runs the columns past its last full vector block in
+    # the CUDA order; a kernel summing left to right there differs from the reference in one
+    # element, and rounds it exactly as the pairwise near miss does.
+    from autoopt.eval.trials import Case, as_tuple, fresh
+    from model.ops import moe_experts as op
+
+    c = contract("moe_experts")
+    shape = {"T": 8, "H": 222, "E": 16, "I": 16, "k": 8}
+    args = c.make_inputs(shape, 0)
+
+    def left_to_right(x, gate_up, down, weights, ids, scale):
+        s = op.expert_slots(x, gate_up, down, ids).float() * weights.unsqueeze(-1)
+        acc = s[:, 0]
+        for j in range(1, s.shape[1]):
+            acc = acc + s[:, j]
+        return acc.to(x.dtype) * scale
+
+    j = Judge(c, None, "cpu", {})
+    near = {n: as_tuple(fn(*fresh(args))) for n, fn in c.numerics.near_misses.items()}
+    key = "T=8,H=222,E=16,I=16,k=8"
+    j._near(Case(key, shape, 0, None, args, as_tuple(c.reference(*fresh(args))), near),
+            as_tuple(left_to_right(*fresh(args))))
+    reasons, table = judge_near_misses(j)
+    assert reasons == [], reasons
+    assert table["by_name"]["pairwise_sum"]["shapes"][key]["near_ref"] < 8
 
 
 def _ssmax_kernels():

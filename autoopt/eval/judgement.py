@@ -4,8 +4,8 @@ Every bound of the op's policy (max ulp, mismatch fraction with its Poisson marg
 judged on each (shape, output) pair on its own; a near miss must be strictly farther from the
 candidate than the reference is at every shape where it differs from the reference by at least
 as much as the candidate does (where it differs by less, the inputs cannot tell it from the
-candidate's own error). Nothing is pooled across shapes, so a deviation used only at one token
-count is judged there.
+candidate's own error) and in at least NEAR_MISS_MIN_ELEMENTS elements. Nothing is pooled across
+shapes, so a deviation used only at one token count is judged there.
 """
 
 from __future__ import annotations
@@ -14,6 +14,15 @@ from typing import Any
 
 from .numerics import OutputStats, effective_policy, judge
 from .trials import Judge
+
+# A near miss that differs from the reference in fewer elements than this at a shape (over its
+# trials) gives no verdict there. Near misses that reorder an FP32 sum flip only the elements
+# whose sum lies next to a BF16 rounding boundary, and an honest kernel that sums in any other
+# order flips those same elements: one such element, where the kernel happened to round as the
+# near miss does, rejected an honest MoE kernel (1 element of 1776, 1 ulp). A cheat that is the
+# near miss is still judged wherever the inputs tell the two apart by this many elements, and
+# where they cannot, the numerics policy still bounds what it returns.
+NEAR_MISS_MIN_ELEMENTS = 8
 
 
 def judge_numerics(j: Judge, device: str) -> tuple[list[str], dict[str, Any]]:
@@ -80,6 +89,9 @@ def judge_near_misses(j: Judge) -> tuple[list[str], dict[str, Any]]:
             # exactly its distance and is judged by the branch below; one that adds error to
             # stand farther off must keep that error inside the numerics policy.
             status = "not distinguishable from the candidate's own error on these inputs"
+        elif d["near_ref"] < NEAR_MISS_MIN_ELEMENTS:
+            status = (f"too few elements tell it from the reference on these inputs "
+                      f"({d['near_ref']} < {NEAR_MISS_MIN_ELEMENTS})")
         else:
             status = "closer to the near miss"
             if not any(name in r for r in reasons):

@@ -4,8 +4,10 @@
 The routed experts as transformers' default `grouped_mm` backend computes them (docs/numerics.md
 "MoE combine"): per slot, gu = bf(x @ gate_up[e]^T); a = swiglu(gu[:I], gu[I:]);
 d_k = bf(a @ down[e]^T); s_k = f32(d_k) * w_k; y = bf(sum_k s_k) summed over the k slots in
-torch's dim-1 order (on CUDA (((s0+s4)+(s1+s5))+(s2+s6))+(s3+s7); on CPU left to right, which is
-what transformers computes there too); out = bf(f32(y) * scale), scale = routed_scaling_factor.
+torch's dim-1 order (on CUDA (((s0+s4)+(s1+s5))+(s2+s6))+(s3+s7); on CPU left to right in the
+columns its vectorised loop covers and in the CUDA order in the columns past its last full vector
+block, e.g. columns 192..221 of H = 222 with AVX-512, which is what transformers computes there
+too); out = bf(f32(y) * scale), scale = routed_scaling_factor.
 With expert parallelism `ids` may name experts this rank does not hold: pass `expert_offset`
 and the slots outside [offset, offset + E) contribute zero.
 """
