@@ -1,6 +1,6 @@
-"""router triton_v1 and triton_v2 against the router reference: ids exactly (modulo FP32 ties),
-weights within the op's policy, at the real width (H=5120, E=256, 8 groups, top-4 groups, top-8)
-and smaller.
+"""router triton_v1, triton_v2 and triton_v3 against the router reference: ids exactly (modulo
+FP32 ties), weights within the op's policy, at the real width (H=5120, E=256, 8 groups, top-4
+groups, top-8) and smaller.
 
 On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py). The policy is judged with the
 harness's own code (autoopt.eval.numerics), so these tests and `autoopt verify` agree.
@@ -27,7 +27,7 @@ C = CONTRACTS["router"]
 REAL = {"H": 5120, "E": 256, "n_group": 8, "topk_group": 4, "top_k": 8}
 
 
-VARIANTS = ["triton_v1", "triton_v2"]
+VARIANTS = ["triton_v1", "triton_v2", "triton_v3"]
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
@@ -44,6 +44,11 @@ def v1():
 @pytest.fixture(scope="module")
 def v2():
     return Registry().load_variant("router", "triton_v2")
+
+
+@pytest.fixture(scope="module")
+def v3():
+    return Registry().load_variant("router", "triton_v3")
 
 
 def check(args: tuple, got: tuple, ref: tuple | None = None) -> list[dict]:
@@ -270,6 +275,53 @@ def test_v2_library_logits_give_the_reference_ids(v2):
     check(args, (w, ids), (rw, rids))
 
 
+# --- triton_v3: triton_v1's GEMV, triton_v2's ranking, a selection program per token ---------
+
+# GEMV tiles shared with triton_v1's two-kernel path: a one-step unrolled slice, a K loop, a
+# split that leaves no empty slice, token blocks of one to sixteen.
+_V3_SAME_AS_V1 = [
+    {"BLOCK_T": 1, "BLOCK_E": 8, "BLOCK_K": 64, "SPLIT_K": 10, "num_warps": 1},
+    {"BLOCK_T": 4, "BLOCK_E": 4, "BLOCK_K": 32, "SPLIT_K": 4, "num_warps": 2},
+    {"BLOCK_T": 16, "BLOCK_E": 32, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 4},
+    {"BLOCK_T": 2, "BLOCK_E": 16, "BLOCK_K": 128, "SPLIT_K": 5, "num_warps": 2},
+]
+
+
+@pytest.mark.parametrize("t,seed", [(1, 0), (3, 1), (9, 2),
+                                    pytest.param(17, 3, marks=pytest.mark.slow)])
+def test_v3_is_bitwise_v1_with_the_same_gemv(v1, v3, t, seed):
+    # Same GEMV order (split-K partials added in split order), an exact selection either way:
+    # the outputs are triton_v1's bit for bit, whichever selection algorithm ran.
+    args = C.make_inputs({"T": t, "H": 640, "E": 256}, seed)
+    for cfg in _V3_SAME_AS_V1:
+        for k, v in cfg.items():
+            assert v in v3.CONFIG_SPACE[k] and v in v1.CONFIG_SPACE[k], (k, v)
+        w1, i1 = v1.run(*args, config={**cfg, "FUSE": 0, "SEL_T": 1})
+        w3, i3 = v3.run(*args, config={**cfg, "SEL_WARPS": 2})
+        assert torch.equal(i3, i1), cfg
+        assert torch.equal(w3.view(torch.int32), w1.view(torch.int32)), cfg
+
+
+def test_v3_configs_stay_in_policy(v3):
+    args = C.make_inputs({"T": 6, "H": 640, "E": 256}, 8)
+    ref = C.reference(*args)
+    for cfg in ({}, {"SEL_WARPS": 1}, {"SEL_WARPS": 8, "BLOCK_K": 512, "SPLIT_K": 2},
+                {"PDL": 0}, {"LIB_GEMM": 1}, {"SPLIT_K": 40, "BLOCK_K": 32, "BLOCK_E": 2}):
+        assert all(v in v3.CONFIG_SPACE[k] for k, v in cfg.items()), cfg
+        check(args, v3.run(*args, config=cfg), ref)
+
+
+def test_v3_default_buckets_follow_the_sweeps(v3):
+    # T <= 16 the FMA GEMV (the T = 16 tiles beat cuBLAS in triton_v1's H200 sweep); from 17 on
+    # a GPU the library GEMM; the CPU keeps the Triton GEMV up to 64 tokens. PDL only on a GPU
+    # (`router_fwd` drops it elsewhere).
+    assert v3.default_config(1)["SPLIT_K"] == 20 and not v3.default_config(16)["LIB_GEMM"]
+    assert v3.default_config(17)["LIB_GEMM"] and not v3.default_config(64, on_gpu=False)["LIB_GEMM"]
+    for t in (1, 2, 4, 8, 16, 17, 64, 2048):
+        cfg = v3.default_config(t)
+        assert all(v in v3.CONFIG_SPACE[k] for k, v in cfg.items()), (t, cfg)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_harness_verifies_it_on_cpu(variant):
@@ -314,6 +366,36 @@ def test_gpu_fused_path_under_cuda_graphs(mod, t):
         torch.cuda.synchronize()
         assert torch.equal(out[1], first[1])
         assert torch.equal(out[0].view(torch.int32), first[0].view(torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4, 16])
+def test_gpu_v3_pdl_under_graphs_is_bitwise_without_pdl_and_v1(v1, v3, t):
+    # PDL changes when programs start, never what they compute: captured with a producer of h
+    # in front (the GEMV waits for it), replayed, bitwise the launch without PDL and triton_v1's
+    # two-kernel path with the same GEMV tiles.
+    h, w, b, ng, tg, k = _gpu_args(t, 3)
+    src = torch.randn_like(h)
+    cfg = v3.default_config(t)
+    plain = v3.run(h, w, b, ng, tg, k, config={**cfg, "PDL": 0})
+    ref1 = v1.run(h, w, b, ng, tg, k, config={**{key: cfg[key] for key in
+                  ("BLOCK_T", "BLOCK_E", "BLOCK_K", "SPLIT_K", "num_warps")}, "FUSE": 0,
+                  "SEL_T": 1, "LIB_GEMM": 0})
+    assert torch.equal(plain[1], ref1[1]) and torch.equal(plain[0].view(torch.int32),
+                                                          ref1[0].view(torch.int32))
+    hh = torch.empty_like(h)
+    v3.run(hh.copy_(src), w, b, ng, tg, k, config=cfg)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        hh.copy_(src)  # a kernel that writes h right before the router reads it
+        out = v3.run(hh, w, b, ng, tg, k, config=cfg)
+    src.copy_(h)  # replays must see this h, not the one at capture
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out[1], plain[1])
+        assert torch.equal(out[0].view(torch.int32), plain[0].view(torch.int32))
 
 
 @pytest.mark.slow
@@ -374,6 +456,10 @@ def test_template_and_hand_written_variants_compile_for_sm90(tmp_path):
                           str(ROOT / "kernels" / "router" / "triton_v2.py")], env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.count("ok") == 4, res.stderr[-3000:]
+    res = subprocess.run([sys.executable, "-c", _SM90_V3,
+                          str(ROOT / "kernels" / "router" / "triton_v3.py")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.count("ok") == 5, res.stderr[-3000:]
 
 
 # The fused decode kernels (FMA GEMV + atomic counter + selection), the FMA prefill tiles (a
@@ -423,4 +509,32 @@ for cfg in (dict(BLOCK_T=1, BLOCK_E=2, BLOCK_K=1024, K_STEPS=5, FUSE=True),
             dict(BLOCK_T=16, BLOCK_E=8, BLOCK_K=64, K_STEPS=80, FUSE=False)):
     go(m._router_gemv_kernel, gemv, {**base, **cfg, "H_BF16": True})
 go(m._router_select_kernel, [F, F, F, "*i64", N] + [C] * 6, {**base, "FROM_LOGITS": True})
+'''
+
+# triton_v3: the GEMV unrolled (one step) and as a K loop, with and without PDL (its
+# griddepcontrol instructions in the PTX), and the selection kernel under PDL.
+_SM90_V3 = '''
+import importlib.util, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+spec = importlib.util.spec_from_file_location("v", sys.argv[1])
+m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
+P, F, N, C = "*bf16", "*fp32", "i32", "constexpr"
+def go(fn, types, cx):
+    k = triton.compile(ASTSource(fn, dict(zip(fn.arg_names, types)), cx),
+                       target=GPUTarget("cuda", 90, 32))
+    ptx = k.asm["ptx"]
+    assert ".target sm_90" in ptx
+    assert ("griddepcontrol.wait" in ptx) == bool(cx["PDL"]), cx
+    print("ok")
+gemv = [P, F, F, N, N, N, N] + [C] * 7
+for cfg in (dict(BLOCK_T=1, BLOCK_E=8, BLOCK_K=256, K_STEPS=1, PDL=True),
+            dict(BLOCK_T=16, BLOCK_E=4, BLOCK_K=128, K_STEPS=2, PDL=True),
+            dict(BLOCK_T=1, BLOCK_E=8, BLOCK_K=256, K_STEPS=1, PDL=False)):
+    go(m._router_gemv_kernel, gemv, {"E": 256, "H_BF16": True, **cfg})
+sel = [F, F, F, "*i64", N] + [C] * 7
+for pdl in (True, False):
+    go(m._router_select_kernel, sel, dict(SPLIT=20, E=256, NG=8, TOPK_GROUP=4, TOP_K=8,
+                                          ON_GPU=True, PDL=pdl))
 '''
