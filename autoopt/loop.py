@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import queue
 import re
-import statistics
 import threading
 import time
 from collections.abc import Mapping
@@ -402,9 +401,12 @@ def timing_seconds(buckets: int) -> float:
 
 
 def judge_seconds(registry: Any, op: str, arch: str | None) -> float | None:
-    """The median verification time (seconds) of the variants of `op` recorded on `arch`: what
-    one candidate's is likely to take on this machine (variants differ: on an H200 the QKV
-    projection's took 58-176 s); None: none recorded."""
+    """The longest verification (seconds) recorded for a variant of `op` on `arch`: what one
+    candidate's may take on this machine; None: none recorded. The longest, not a typical one:
+    variants differ (on an H200 the QKV projection's took 58-176 s, the MoE's 74-228 s), a
+    template's program is one of them, and one arch spans GPUs of different speeds (sm_90: the
+    H200 and the H100). An estimate too short starts an op whose candidate is then verified
+    and cut off before it is timed, which spends the op's whole session for nothing."""
     if not arch:
         return None
     times = []
@@ -417,7 +419,7 @@ def judge_seconds(registry: Any, op: str, arch: str | None) -> float | None:
             t = (v.report or {}).get("elapsed_s")
             if isinstance(t, int | float) and t > 0:
                 times.append(float(t))
-    return statistics.median(times) if times else None
+    return max(times) if times else None
 
 
 def fit_deadline(need_s: float | None, now: float, deadline: float, end: float

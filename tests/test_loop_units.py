@@ -348,6 +348,18 @@ def test_an_op_whose_evaluation_cannot_fit_is_not_started_and_one_that_can_gets_
     assert moe is not None and moe > 120  # the shipped records' H200 verifications
     assert judge_seconds(reg, "moe_experts", "sm_100") is None
     assert judge_seconds(reg, "moe_experts", None) is None
+    # The longest recorded verification, not a typical one: on an H100 (sm_90, like the H200
+    # whose records gave a 217 s estimate) a MoE template's took ~184 s, and its timing was
+    # cut off with 33 s left of the job.
+    from types import SimpleNamespace
+
+    def rec(*secs):
+        return SimpleNamespace(verification={"sm_90": [SimpleNamespace(report={"elapsed_s": t})
+                                                       for t in secs]})
+    fake = SimpleNamespace(variants=lambda op: ["a", "b", "c"],
+                           read_record=lambda op, n: {"a": rec(74.0, 90.0), "b": rec(228.0),
+                                                      "c": None}[n])
+    assert judge_seconds(fake, "moe_experts", "sm_90") == 228.0
     # Timing is the candidate's and the baseline's, per token bucket: eight buckets of decode
     # attention at a 100k-token context took more than 30 s for the baseline alone on an H200.
     assert loop.timing_seconds(8) >= 60 and loop.timing_seconds(8) == 8 * loop.timing_seconds(1)
