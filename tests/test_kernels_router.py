@@ -297,16 +297,18 @@ def test_v3_is_bitwise_v1_with_the_same_gemv(v1, v3, t, seed):
         for k, v in cfg.items():
             assert v in v3.CONFIG_SPACE[k] and v in v1.CONFIG_SPACE[k], (k, v)
         w1, i1 = v1.run(*args, config={**cfg, "FUSE": 0, "SEL_T": 1})
-        w3, i3 = v3.run(*args, config={**cfg, "SEL_WARPS": 2})
-        assert torch.equal(i3, i1), cfg
-        assert torch.equal(w3.view(torch.int32), w1.view(torch.int32)), cfg
+        for sel in ({"SEL": "rank", "SEL_WARPS": 2}, {"SEL": "rounds", "SEL_T": 2}):
+            w3, i3 = v3.run(*args, config={**cfg, **sel})
+            assert torch.equal(i3, i1), (cfg, sel)
+            assert torch.equal(w3.view(torch.int32), w1.view(torch.int32)), (cfg, sel)
 
 
 def test_v3_configs_stay_in_policy(v3):
     args = C.make_inputs({"T": 6, "H": 640, "E": 256}, 8)
     ref = C.reference(*args)
     for cfg in ({}, {"SEL_WARPS": 1}, {"SEL_WARPS": 8, "BLOCK_K": 512, "SPLIT_K": 2},
-                {"PDL": 0}, {"LIB_GEMM": 1}, {"SPLIT_K": 40, "BLOCK_K": 32, "BLOCK_E": 2}):
+                {"PDL": 0}, {"LIB_GEMM": 1}, {"SPLIT_K": 40, "BLOCK_K": 32, "BLOCK_E": 2},
+                {"SEL": "rounds", "SEL_T": 8, "SEL_WARPS": 2}, {"LIB_GEMM": 1, "SEL": "rounds"}):
         assert all(v in v3.CONFIG_SPACE[k] for k, v in cfg.items()), cfg
         check(args, v3.run(*args, config=cfg), ref)
 
@@ -317,6 +319,8 @@ def test_v3_default_buckets_follow_the_sweeps(v3):
     # (`router_fwd` drops it elsewhere).
     assert v3.default_config(1)["SPLIT_K"] == 20 and not v3.default_config(16)["LIB_GEMM"]
     assert v3.default_config(17)["LIB_GEMM"] and not v3.default_config(64, on_gpu=False)["LIB_GEMM"]
+    # The ranking where a call is a few tokens' latency, the rounds where it is many tokens'.
+    assert v3.default_config(16)["SEL"] == "rank" and v3.default_config(17)["SEL"] == "rounds"
     for t in (1, 2, 4, 8, 16, 17, 64, 2048):
         cfg = v3.default_config(t)
         assert all(v in v3.CONFIG_SPACE[k] for k, v in cfg.items()), (t, cfg)
@@ -459,7 +463,7 @@ def test_template_and_hand_written_variants_compile_for_sm90(tmp_path):
     res = subprocess.run([sys.executable, "-c", _SM90_V3,
                           str(ROOT / "kernels" / "router" / "triton_v3.py")], env=env,
                          capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and res.stdout.count("ok") == 5, res.stderr[-3000:]
+    assert res.returncode == 0 and res.stdout.count("ok") == 7, res.stderr[-3000:]
 
 
 # The fused decode kernels (FMA GEMV + atomic counter + selection), the FMA prefill tiles (a
@@ -512,7 +516,7 @@ go(m._router_select_kernel, [F, F, F, "*i64", N] + [C] * 6, {**base, "FROM_LOGIT
 '''
 
 # triton_v3: the GEMV unrolled (one step) and as a K loop, with and without PDL (its
-# griddepcontrol instructions in the PTX), and the selection kernel under PDL.
+# griddepcontrol instructions in the PTX), and both selection kernels with and without it.
 _SM90_V3 = '''
 import importlib.util, sys
 import triton
@@ -537,4 +541,6 @@ sel = [F, F, F, "*i64", N] + [C] * 7
 for pdl in (True, False):
     go(m._router_select_kernel, sel, dict(SPLIT=20, E=256, NG=8, TOPK_GROUP=4, TOP_K=8,
                                           ON_GPU=True, PDL=pdl))
+    go(m._router_select_rounds_kernel, sel + [C], dict(SPLIT=1, E=256, NG=8, TOPK_GROUP=4,
+                                                       TOP_K=8, SEL_T=1, ON_GPU=True, PDL=pdl))
 '''

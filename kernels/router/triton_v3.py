@@ -14,7 +14,8 @@ behind whole-expert GEMV programs that read the weight more slowly. Here:
     griddepcontrol.wait instead of a launch gap), sums the partials in split order and ranks
     as triton_v2 does: every value of a group against every other ([groups, size, size] at
     once) for the group's top-2 sum and its candidates in order; the kept groups' candidates
-    ranked the same way for the top-k. No serial rounds.
+    ranked the same way for the top-k. No serial rounds. From 17 tokens (config SEL) the
+    selection is triton_v1's rounds instead, cheaper per token where throughput counts.
 The order is the reference's: c descending, equal values lower expert first; groups likewise.
 
 Formula (the router contract, model/ops/router.py):
@@ -55,6 +56,8 @@ CONFIG_SPACE = {
     "SPLIT_K": [1, 2, 4, 5, 10, 20, 40],
     "BLOCK_T": [1, 2, 4, 8, 16],
     "num_warps": [1, 2, 4, 8],
+    "SEL": ["rank", "rounds"],
+    "SEL_T": [1, 2, 4, 8],
     "SEL_WARPS": [1, 2, 4, 8],
     "LIB_GEMM": [0, 1],
     "PDL": [0, 1],
@@ -64,6 +67,7 @@ DEFAULT_CONFIG: dict = {}
 # Above this many tokens the reference's cuBLAS logits are used whatever the config says (the FMA
 # tiles are slower there, and the library's logits are the reference's bit for bit).
 FMA_TILES_MAX_T = 64
+_NEG_KEY = tl.constexpr(-(2**62))  # below every real key (their top word is >= -2**31)
 
 
 @triton.jit
@@ -202,6 +206,95 @@ def _router_select_kernel(part_ptr, bias_ptr, w_out_ptr, id_out_ptr, T, SPLIT: t
     tl.store(id_out_ptr + out, ids.to(tl.int64))
 
 
+# --- the selection by rounds (triton_v1's): less work per token, for many tokens --------------
+
+@triton.jit
+def _halve_rows(v, N: tl.constexpr):
+    # One level of the renorm tree on [rows, N]: v[:, i] + v[:, i + N/2] for i < N/2.
+    lo, hi = tl.split(tl.permute(tl.reshape(v, [v.shape[0], 2, N // 2]), [0, 2, 1]))
+    return lo + hi
+
+
+@triton.jit
+def _tree_sum_rows(v, K: tl.constexpr):
+    # _tree_sum on every row of [rows, K].
+    if K >= 32:
+        v = _halve_rows(v, 32)
+    if K >= 16:
+        v = _halve_rows(v, 16)
+    if K >= 8:
+        v = _halve_rows(v, 8)
+    if K >= 4:
+        v = _halve_rows(v, 4)
+    if K >= 2:
+        v = _halve_rows(v, 2)
+    return tl.reshape(v, [v.shape[0]])
+
+
+@triton.jit
+def _key(c, cols, E: tl.constexpr):
+    # One int64 per expert ordering by c (monotonic image of the FP32 bits), then lower id first:
+    # a single max reduction yields both the value and the expert.
+    b = c.to(tl.int32, bitcast=True)
+    mono = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+    return (mono.to(tl.int64) << 32) | (E - 1 - cols).to(tl.int64)
+
+
+@triton.jit
+def _group_keep(c3, NG: tl.constexpr, TOPK_GROUP: tl.constexpr):
+    # Group score = the top-2 of c summed; a repeated maximum counts twice (torch.topk's values).
+    m1 = tl.max(c3, axis=2)
+    is1 = c3 == m1[:, :, None]
+    n1 = tl.sum(is1.to(tl.int32), axis=2)
+    m2 = tl.max(tl.where(is1, float("-inf"), c3), axis=2)
+    gs = m1 + tl.where(n1 > 1, m1, m2)
+    # Keep a group when fewer than TOPK_GROUP groups beat it (ties: the lower group wins).
+    ga = tl.arange(0, NG)
+    beats = (gs[:, None, :] > gs[:, :, None]) | \
+        ((gs[:, None, :] == gs[:, :, None]) & (ga[None, None, :] < ga[None, :, None]))
+    return tl.sum(beats.to(tl.int32), axis=2) < TOPK_GROUP
+
+
+@triton.jit
+def _router_select_rounds_kernel(part_ptr, bias_ptr, w_out_ptr, id_out_ptr, T,
+                                 SPLIT: tl.constexpr, E: tl.constexpr, NG: tl.constexpr,
+                                 TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+                                 SEL_T: tl.constexpr, ON_GPU: tl.constexpr, PDL: tl.constexpr):
+    # SEL_T tokens a program, in registers: the group stage on [SEL_T, NG, GS], then the top-k
+    # by TOP_K rounds of one packed int64 max (value, then lower expert).
+    GS: tl.constexpr = E // NG
+    toks = tl.program_id(0) * SEL_T + tl.arange(0, SEL_T)
+    cols = tl.arange(0, E)[None, :]
+    m = (toks < T)[:, None]
+    bias = tl.load(bias_ptr + cols)
+    if PDL:
+        gdc_wait()
+    offs = toks[:, None] * E + cols  # int32 (SPLIT*T*E < 2**31, checked)
+    logits = tl.zeros([SEL_T, E], dtype=tl.float32)
+    for k in tl.static_range(SPLIT):  # split order; all SPLIT loads in flight together
+        logits += tl.load(part_ptr + k * T * E + offs, mask=m, other=0.0)
+    scores = _sigmoid(logits, ON_GPU)
+    c = scores + bias
+    keep = _group_keep(tl.reshape(c, [SEL_T, NG, GS]), NG, TOPK_GROUP)
+    keep_e = tl.reshape(tl.broadcast_to(keep[:, :, None], [SEL_T, NG, GS]), [SEL_T, E])
+    key = tl.where(keep_e, _key(c, cols, E), _NEG_KEY)
+    slot = tl.arange(0, TOP_K)[None, :]
+    ids = tl.zeros([SEL_T, TOP_K], dtype=tl.int32)
+    w = tl.zeros([SEL_T, TOP_K], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):  # top_k by repeated arg-max, descending
+        idx = E - 1 - tl.max(key, axis=1).to(tl.int32)  # the low word: E - 1 - expert
+        hit = cols == idx[:, None]
+        sj = tl.max(tl.where(hit, scores, float("-inf")), axis=1)
+        key = tl.where(hit, _NEG_KEY, key)
+        ids = tl.where(slot == j, idx[:, None], ids)
+        w = tl.where(slot == j, sj[:, None], w)
+    denom = _tree_sum_rows(w, TOP_K) + 1e-20
+    w = tl.div_rn(w, tl.broadcast_to(denom[:, None], [SEL_T, TOP_K]))
+    out = toks.to(tl.int64)[:, None] * TOP_K + slot
+    tl.store(w_out_ptr + out, w, mask=m)
+    tl.store(id_out_ptr + out, ids.to(tl.int64), mask=m)
+
+
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -236,10 +329,13 @@ def _check(h, weight, bias, n_group: int, topk_group: int, top_k: int) -> None:
 
 
 def default_config(t: int, on_gpu: bool = True) -> dict:
-    """triton_v1's GEMV tiles per bucket (the fastest of its H200 sweeps), a 4-warp selection
-    program per token, PDL on the GPU. From 17 tokens on a GPU the reference's cuBLAS GEMM."""
+    """triton_v1's GEMV tiles per bucket (the fastest of its H200 sweeps), a 4-warp ranking
+    program per token, PDL on the GPU. From 17 tokens on a GPU the reference's cuBLAS GEMM and
+    triton_v1's selection by rounds, one one-warp program per token: with many tokens the
+    ranking's extra work per token costs more than its shorter chain saves (an H100: 180 us
+    against 157 at T = 2048, 0.6 us more at 32 and 64)."""
     base = {"BLOCK_T": 1, "BLOCK_E": 8, "BLOCK_K": 256, "SPLIT_K": 20, "num_warps": 1,
-            "SEL_WARPS": 4, "LIB_GEMM": 0, "PDL": 1}
+            "SEL": "rank", "SEL_T": 1, "SEL_WARPS": 4, "LIB_GEMM": 0, "PDL": 1}
     if t <= 1:  # 640 one-warp programs, each one 8 KB weight load issued at once
         return base
     if t <= 2:
@@ -251,7 +347,7 @@ def default_config(t: int, on_gpu: bool = True) -> dict:
                 "BLOCK_K": 128, "num_warps": 2}
     # From 17 tokens an FP32 GEMM through cuBLAS (the reference's own call, so its logits are
     # bitwise the reference's) beats CUDA-core FMAs in Triton (triton_v1's sweeps at 32 and 64).
-    return {**base, "LIB_GEMM": 1}
+    return {**base, "LIB_GEMM": 1, "SEL": "rounds", "SEL_WARPS": 1}
 
 
 def router_fwd(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: int,
@@ -281,10 +377,16 @@ def router_fwd(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_grou
             h, weight, part, t, hid, h.stride(0), weight.stride(0), E=e, BLOCK_T=block_t,
             BLOCK_E=block_e, BLOCK_K=block_k, K_STEPS=k_steps,
             H_BF16=h.dtype == torch.bfloat16, PDL=pdl, num_warps=int(cfg["num_warps"]), **launch)
-    _router_select_kernel[(t,)](
-        part, bias, w_out, id_out, t, SPLIT=split, E=e, NG=n_group, TOPK_GROUP=topk_group,
-        TOP_K=top_k, ON_GPU=h.is_cuda, PDL=pdl and not lib, num_warps=int(cfg["SEL_WARPS"]),
-        **(launch if not lib else {}))
+    sel_pdl = pdl and not lib
+    meta = dict(SPLIT=split, E=e, NG=n_group, TOPK_GROUP=topk_group, TOP_K=top_k,
+                ON_GPU=h.is_cuda, PDL=sel_pdl, num_warps=int(cfg["SEL_WARPS"]),
+                **(launch if sel_pdl else {}))
+    if cfg.get("SEL", "rank") == "rounds":
+        sel_t = min(int(cfg.get("SEL_T", 1)), triton.next_power_of_2(t))
+        _router_select_rounds_kernel[(triton.cdiv(t, sel_t),)](
+            part, bias, w_out, id_out, t, SEL_T=sel_t, **meta)
+    else:
+        _router_select_kernel[(t,)](part, bias, w_out, id_out, t, **meta)
     return w_out, id_out
 
 
