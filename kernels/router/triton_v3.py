@@ -93,14 +93,15 @@ def _before(cj, ej, ci, ei):
 
 @triton.jit
 def _halve(v, N: tl.constexpr):
-    # One level of the renorm tree on [N]: v[i] + v[i + N/2] for i < N/2.
-    lo, hi = tl.split(tl.permute(tl.reshape(v, [2, N // 2]), [1, 0]))
+    # One level of the renorm tree on [rows, N]: v[:, i] + v[:, i + N/2] for i < N/2.
+    lo, hi = tl.split(tl.permute(tl.reshape(v, [v.shape[0], 2, N // 2]), [0, 2, 1]))
     return lo + hi
 
 
 @triton.jit
 def _tree_sum(v, K: tl.constexpr):
-    # torch's CUDA order over 8 values, ((w0+w4)+(w2+w6))+((w1+w5)+(w3+w7)), for any power of 2.
+    # torch's CUDA order over 8 values, ((w0+w4)+(w2+w6))+((w1+w5)+(w3+w7)), for any power of 2,
+    # on every row of [rows, K].
     if K >= 32:
         v = _halve(v, 32)
     if K >= 16:
@@ -111,7 +112,7 @@ def _tree_sum(v, K: tl.constexpr):
         v = _halve(v, 4)
     if K >= 2:
         v = _halve(v, 2)
-    return tl.sum(v, axis=0)  # one element left
+    return tl.reshape(v, [v.shape[0]])
 
 
 @triton.jit
@@ -142,7 +143,7 @@ def _select_values(c, s, E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.const
     pick = (place[None, :] == tl.arange(0, TOP_K)[:, None]) & valid[None, :]  # [TOP_K, N2]
     ids = tl.max(tl.where(pick, ce[None, :], -1), axis=1)
     sw = tl.max(tl.where(pick, cs[None, :], float("-inf")), axis=1)
-    denom = _tree_sum(sw, TOP_K) + 1e-20
+    denom = _tree_sum(tl.reshape(sw, [1, TOP_K]), TOP_K) + 1e-20  # [1]
     return ids, tl.div_rn(sw, tl.full([TOP_K], 0.0, tl.float32) + denom)
 
 
@@ -209,29 +210,6 @@ def _router_select_kernel(part_ptr, bias_ptr, w_out_ptr, id_out_ptr, T, SPLIT: t
 # --- the selection by rounds (triton_v1's): less work per token, for many tokens --------------
 
 @triton.jit
-def _halve_rows(v, N: tl.constexpr):
-    # One level of the renorm tree on [rows, N]: v[:, i] + v[:, i + N/2] for i < N/2.
-    lo, hi = tl.split(tl.permute(tl.reshape(v, [v.shape[0], 2, N // 2]), [0, 2, 1]))
-    return lo + hi
-
-
-@triton.jit
-def _tree_sum_rows(v, K: tl.constexpr):
-    # _tree_sum on every row of [rows, K].
-    if K >= 32:
-        v = _halve_rows(v, 32)
-    if K >= 16:
-        v = _halve_rows(v, 16)
-    if K >= 8:
-        v = _halve_rows(v, 8)
-    if K >= 4:
-        v = _halve_rows(v, 4)
-    if K >= 2:
-        v = _halve_rows(v, 2)
-    return tl.reshape(v, [v.shape[0]])
-
-
-@triton.jit
 def _key(c, cols, E: tl.constexpr):
     # One int64 per expert ordering by c (monotonic image of the FP32 bits), then lower id first:
     # a single max reduction yields both the value and the expert.
@@ -288,7 +266,7 @@ def _router_select_rounds_kernel(part_ptr, bias_ptr, w_out_ptr, id_out_ptr, T,
         key = tl.where(hit, _NEG_KEY, key)
         ids = tl.where(slot == j, idx[:, None], ids)
         w = tl.where(slot == j, sj[:, None], w)
-    denom = _tree_sum_rows(w, TOP_K) + 1e-20
+    denom = _tree_sum(w, TOP_K) + 1e-20
     w = tl.div_rn(w, tl.broadcast_to(denom[:, None], [SEL_T, TOP_K]))
     out = toks.to(tl.int64)[:, None] * TOP_K + slot
     tl.store(w_out_ptr + out, w, mask=m)
