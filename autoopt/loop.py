@@ -393,11 +393,17 @@ JUDGE_MARGIN = 1.25  # an op's last verification time, times this, plus its timi
 # candidate's and the baseline's each: on an H200 the attention baseline's eight buckets at a
 # 100k-token context took more than 30 s.
 TIMING_PER_BUCKET_S = 4.0
+# ... and at least this share of the op's verification a bucket: both are made of the same
+# per-shape compiles and inputs, so an op slow to verify is slow to time. On an H100 a MoE
+# candidate verified in ~260 s, and its and the baseline's eight buckets did not finish in 100 s.
+TIMING_PER_BUCKET_OF_JUDGE = 0.04
 
 
-def timing_seconds(buckets: int) -> float:
-    """Seconds the candidate's and the baseline's timings at `buckets` token buckets take."""
-    return 2 * max(1, buckets) * TIMING_PER_BUCKET_S
+def timing_seconds(buckets: int, judged_s: float | None = None) -> float:
+    """Seconds the candidate's and the baseline's timings at `buckets` token buckets take, for
+    an op whose verification takes `judged_s` (None: not known)."""
+    per = max(TIMING_PER_BUCKET_S, (judged_s or 0.0) * TIMING_PER_BUCKET_OF_JUDGE)
+    return 2 * max(1, buckets) * per
 
 
 def judge_seconds(registry: Any, op: str, arch: str | None) -> float | None:
@@ -469,7 +475,8 @@ def _sessions(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState,
                     if deadline is not None and ctx.meaningful:
                         judged = judge_seconds(ctx.registry, op, ctx.arch)
                         buckets = len(served_batches(ctx.target))
-                        need = judged * JUDGE_MARGIN + timing_seconds(buckets) if judged else None
+                        need = (judged * JUDGE_MARGIN + timing_seconds(buckets, judged)
+                                if judged else None)
                         deadline, why = fit_deadline(need, now, deadline, end)
                 if deadline is None:
                     why = why or "the budget was spent"

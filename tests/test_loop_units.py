@@ -363,6 +363,11 @@ def test_an_op_whose_evaluation_cannot_fit_is_not_started_and_one_that_can_gets_
     # Timing is the candidate's and the baseline's, per token bucket: eight buckets of decode
     # attention at a 100k-token context took more than 30 s for the baseline alone on an H200.
     assert loop.timing_seconds(8) >= 60 and loop.timing_seconds(8) == 8 * loop.timing_seconds(1)
+    # ... and an op slow to verify is slow to time: on an H100 a MoE candidate's timing and its
+    # baseline's (eight buckets) took more than 100 s. Fast ops keep the per-bucket floor.
+    assert loop.timing_seconds(8, 228.0) > 100 + 16
+    assert loop.timing_seconds(8, 20.0) == loop.timing_seconds(8)
+    assert loop.timing_seconds(8, 228.0) > loop.timing_seconds(8, 114.0)
 
 
 def _gpu_state(tmp_path: Path, e2e_rows: list[dict] | None = None):
