@@ -307,7 +307,8 @@ def test_v3_configs_stay_in_policy(v3):
     args = C.make_inputs({"T": 6, "H": 640, "E": 256}, 8)
     ref = C.reference(*args)
     for cfg in ({}, {"SEL_WARPS": 1}, {"SEL_WARPS": 8, "BLOCK_K": 512, "SPLIT_K": 2},
-                {"PDL": 0}, {"LIB_GEMM": 1}, {"SPLIT_K": 40, "BLOCK_K": 32, "BLOCK_E": 2},
+                {"SEL_WARPS": 16}, {"PDL": 0}, {"LIB_GEMM": 1},
+                {"SPLIT_K": 40, "BLOCK_K": 32, "BLOCK_E": 2},
                 {"SEL": "rounds", "SEL_T": 8, "SEL_WARPS": 2}, {"LIB_GEMM": 1, "SEL": "rounds"}):
         assert all(v in v3.CONFIG_SPACE[k] for k, v in cfg.items()), cfg
         check(args, v3.run(*args, config=cfg), ref)

@@ -58,7 +58,7 @@ CONFIG_SPACE = {
     "num_warps": [1, 2, 4, 8],
     "SEL": ["rank", "rounds"],
     "SEL_T": [1, 2, 4, 8],
-    "SEL_WARPS": [1, 2, 4, 8],
+    "SEL_WARPS": [1, 2, 4, 8, 16],
     "LIB_GEMM": [0, 1],
     "PDL": [0, 1],
 }
