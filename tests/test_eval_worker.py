@@ -147,6 +147,17 @@ def test_timeout_kills_the_worker():
     assert e.value.kind == "timeout"
 
 
+def test_a_deep_temp_dir_still_holds_the_workers_socket(tmp_path, monkeypatch):
+    # An AF_UNIX name holds 107 bytes; CI runners and macOS hand out temp dirs near that.
+    import tempfile
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    reply = _call("def run(x, config=None):\n    return x * 2\n")
+    assert "raised" not in reply or not reply["raised"], reply
+
+
 def test_a_crashing_worker_is_reported():
     with pytest.raises(WorkerError, match="worker died") as e:
         _call("import os\n\ndef run(x, config=None):\n    os._exit(3)\n")

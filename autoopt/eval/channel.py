@@ -35,6 +35,8 @@ _clock = time.monotonic
 _TAIL = 4000
 
 
+_SUN_PATH_MAX = 100  # sockaddr_un.sun_path is 108 bytes with its NUL; a margin
+
 class WorkerError(RuntimeError):
     """The worker timed out, died or broke the protocol; `kind` says which."""
 
@@ -69,6 +71,11 @@ class Worker:
         self.wrapper = list(wrapper)
         self.arena_bytes = arena_bytes
         self.tmp = Path(tempfile.mkdtemp(prefix="autoopt-worker-"))
+        if len(os.fsencode(self.tmp / "sock")) > _SUN_PATH_MAX:
+            # An AF_UNIX name holds 107 bytes: a deep TMPDIR (CI runners, macOS) cannot hold the
+            # socket, so the worker's directory moves to /tmp.
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = Path(tempfile.mkdtemp(prefix="autoopt-worker-", dir="/tmp"))
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
         self.arena: wire.Arena | None = None
