@@ -171,7 +171,9 @@ def test_constructed_ties(mod, seed, t):
 
 @pytest.mark.parametrize("kind", ["one_group", "two_groups", "negative"])
 def test_skewed_biases(mod, kind):
-    h, w, b, ng, tg, k = C.make_inputs({"T": 17, **REAL}, 5)
+    # The selection at the real expert layout; a narrow hidden size keeps the interpreter's GEMV
+    # short (the real width is test_real_width_matches_reference's).
+    h, w, b, ng, tg, k = C.make_inputs({"T": 17, **REAL, "H": 320}, 5)
     b = b.clone()
     if kind == "one_group":  # every top-8 expert from group 3 (top-k inside one kept group)
         b[96:128] += 2.0
@@ -287,13 +289,14 @@ _V3_SAME_AS_V1 = [
 ]
 
 
-@pytest.mark.parametrize("t,seed", [(1, 0), (3, 1), (9, 2),
+@pytest.mark.parametrize("t,seed", [(1, 0), (3, 1), (5, 2),
                                     pytest.param(17, 3, marks=pytest.mark.slow)])
 def test_v3_is_bitwise_v1_with_the_same_gemv(v1, v3, t, seed):
     # Same GEMV order (split-K partials added in split order), an exact selection either way:
-    # the outputs are triton_v1's bit for bit, whichever selection algorithm ran.
+    # the outputs are triton_v1's bit for bit, whichever selection algorithm ran. 17 tokens
+    # cross the widest token tile (16); the narrow tiles' boundaries are crossed below that.
     args = C.make_inputs({"T": t, "H": 640, "E": 256}, seed)
-    for cfg in _V3_SAME_AS_V1:
+    for cfg in [c for c in _V3_SAME_AS_V1 if t <= 16 or c["BLOCK_T"] == 16]:
         for k, v in cfg.items():
             assert v in v3.CONFIG_SPACE[k] and v in v1.CONFIG_SPACE[k], (k, v)
         w1, i1 = v1.run(*args, config={**cfg, "FUSE": 0, "SEL_T": 1})
