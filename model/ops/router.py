@@ -33,6 +33,9 @@ FREE_DIMS = {"H": (8, 640)}
 # Tiny hidden states put every sigmoid at 0.5 (selection by the bias alone); huge ones
 # saturate many sigmoids to exactly 1.
 EDGE_SCALES = {"tiny": {0: 2.0**-20}, "huge": {0: 2.0**6}}
+# Correction biases far below zero put every c = s + bias under -2: a selection that masks with a
+# sentinel key or value above such c (or orders negative FP32 values by their raw bits) shows.
+EDGE_SHAPES = {"negative_bias": {"bias_offset": -4}}
 
 
 def _select(choice: torch.Tensor, n_group: int, topk_group: int, top_k: int) -> torch.Tensor:
@@ -124,7 +127,7 @@ def make_inputs(shape: Shape, seed: int, device="cpu", dtype=torch.bfloat16) -> 
     t, h, e = shape["T"], shape["H"], shape["E"]
     x = randn((t, h), g, dtype, device)
     weight = randn((e, h), g, torch.float32, device, scale=h**-0.5)
-    bias = randn((e,), g, torch.float32, device, scale=0.05)
+    bias = randn((e,), g, torch.float32, device, scale=0.05) + float(shape.get("bias_offset", 0))
     return (
         x,
         weight,

@@ -41,7 +41,7 @@ CONFIG_SPACE = {
 DEFAULT_CONFIG: dict = {}
 _FUSE_MAX_T = 8  # the fused tail selects every token in one program: decode only
 _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
-_NEG_KEY = tl.constexpr(-(2**62))  # below every real key (their top word is >= -2**31)
+_NEG_KEY = tl.constexpr(-(2**63))  # below every real key: a finite value's top word is > -2**31
 
 
 # {{common.bf16_to_f32}}: _bf16_to_f32
