@@ -35,7 +35,11 @@ FREE_DIMS = {"H": (8, 640)}
 EDGE_SCALES = {"tiny": {0: 2.0**-20}, "huge": {0: 2.0**6}}
 # Correction biases far below zero put every c = s + bias under -2: a selection that masks with a
 # sentinel key or value above such c (or orders negative FP32 values by their raw bits) shows.
-EDGE_SHAPES = {"negative_bias": {"bias_offset": -4}}
+# Once at the small bucket's tokens and once at a drawn batch past the decode sizes, where a
+# kernel may switch to another selection.
+EDGE_SHAPES = {"negative_bias": {"bias_offset": -4},
+               "negative_bias_batch": {"bias_offset": -4,
+                                       "T": {"cpu": (65, 96), "gpu": (17, 4096)}}}
 
 
 def _select(choice: torch.Tensor, n_group: int, topk_group: int, top_k: int) -> torch.Tensor:
