@@ -333,13 +333,11 @@ def _check(h, weight, bias, n_group: int, topk_group: int, top_k: int) -> None:
         raise ValueError(f"h on {h.device}, weight on {weight.device}, bias on {bias.device}")
 
 
-
-
-def default_config(t: int, on_gpu: bool = True) -> dict:
+def default_config(t: int) -> dict:
     """triton_v3's GEMV tiles up to 16 tokens, the FMA-dot tiles from 17 to 64, the library GEMM
-    above (on a GPU; the CPU keeps the dot tiles to 64 too); the top-k selection on 8 warps, one
-    program a token, up to 64 tokens, triton_v3's rounds (one warp a token) above; PDL on the
-    GPU."""
+    above, on a GPU and on the CPU alike; the top-k selection on 8 warps, one program a token, up
+    to 64 tokens, triton_v3's rounds (one warp a token) above; PDL on a GPU (`router_fwd` drops it
+    elsewhere)."""
     base = {"GEMM": "fma", "BLOCK_T": 1, "BLOCK_E": 8, "BLOCK_K": 256, "SPLIT_K": 20,
             "num_warps": 1, "SEL": "topk", "SEL_T": 1, "SEL_WARPS": 8, "PDL": 1}
     if t <= 1:  # 640 one-warp programs, each one 8 KB weight load issued at once
@@ -406,6 +404,5 @@ def run(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: int,
         topk_group: int, top_k: int, config: dict | None = None):
     """router(h[T,H] bf16, weight[E,H] fp32, bias[E] fp32, n_group, topk_group, top_k)
     -> (weights[T,k] fp32, ids[T,k] int64)."""
-    cfg = {**default_config(h.shape[0] if h.dim() == 2 else 1, h.is_cuda), **DEFAULT_CONFIG,
-           **(config or {})}
+    cfg = {**default_config(h.shape[0] if h.dim() == 2 else 1), **DEFAULT_CONFIG, **(config or {})}
     return router_fwd(h, weight, bias, int(n_group), int(topk_group), int(top_k), cfg)
