@@ -262,6 +262,76 @@ def test_judge_record_counts_no_mismatch_for_a_tied_slot_swap_and_catches_a_wron
     assert j.stats[("k", 1)].mismatches == 2
 
 
+def _router_group_tie():
+    """Router inputs of one token whose c = 0.5 + bias (h = 0), in 64ths (exact): groups 0-2
+    clearly kept, groups 3 (10 + 8) and 4 (12 + 6) tied exactly for the last kept place,
+    group 5 (9 + 8) just below; and the ids a kernel keeping a given set of groups returns."""
+    e, h_dim = 256, 64
+    bias = -0.45 - torch.arange(e, dtype=torch.float32) * 1e-4  # distinct, low: c ~ 0.05
+    tops = {0: (40, 36, 7), 1: (32, 30), 2: (28, 26), 3: (10, 8), 4: (12, 6), 5: (9, 8)}
+    for g, vals in tops.items():
+        for i, v in enumerate(vals):
+            bias[32 * g + 5 * i] = v / 64 - 0.5
+    args = (torch.zeros(1, h_dim, dtype=torch.bfloat16), torch.randn(e, h_dim), bias, 8, 4, 8)
+    c = 0.5 + bias
+
+    def pick(groups):
+        mask = torch.zeros(e, dtype=torch.bool)
+        for g in groups:
+            mask[32 * g:32 * g + 32] = True
+        return torch.topk(c.masked_fill(~mask, float("-inf")), 8)[1][None]
+
+    return args, pick
+
+
+def test_router_kept_group_across_a_tie_is_tolerated_with_the_experts_it_brings():
+    # Keeping group 4 instead of its exact tie group 3 brings 12/64 and, for the 8th place,
+    # group 0's third expert (7/64): neither near the other choice's boundary (8/64), and
+    # group 0's score nowhere near the tie; all of it is the same tie resolved the other way.
+    args, pick = _router_group_tie()
+    c = contract("router")
+    _, ids = c.reference(*args)
+    as3, as4 = pick([0, 1, 2, 3]), pick([0, 1, 2, 4])
+    assert torch.equal(ids, as3) or torch.equal(ids, as4)
+    assert set(as4[0].tolist()) - set(as3[0].tolist()) == {32 * 4, 10}
+    other = as4 if torch.equal(ids, as3) else as3
+    ok, rows = router_tie_rows(args, ids, other)
+    assert bool(ok[0]) and rows[0]["tie"] is True
+    # Group 5 is below the boundary by far more than noise: keeping it is wrong.
+    ok, rows = router_tie_rows(args, ids, pick([0, 1, 2, 5]))
+    assert not bool(ok[0]) and rows[0]["tie"] is False
+    # The tied group's experts in the right set but out of score order: wrong.
+    shuffled = other.clone()
+    shuffled[0, [0, 1]] = other[0, [1, 0]]
+    ok, _ = router_tie_rows(args, ids, shuffled)
+    assert not bool(ok[0])
+    # An expert twice, or one that does not exist: wrong.
+    twice = other.clone()
+    twice[0, 7] = twice[0, 6]
+    assert not bool(router_tie_rows(args, ids, twice)[0][0])
+    out_of_range = other.clone()
+    out_of_range[0, 7] = 256
+    assert not bool(router_tie_rows(args, ids, out_of_range)[0][0])
+
+
+@pytest.mark.parametrize("ulps,tolerated", [(1, True), (8, True), (60, True), (200, False)])
+def test_router_tie_tolerance_is_in_fp32_ulps(ulps, tolerated):
+    # Two picked experts whose scores c = 0.5 + bias (h = 0) are `ulps` FP32 ulps apart, in the
+    # other order: GEMM order moves c by a few FP32 ulps, so a kernel may honestly see them so.
+    # (The tolerance once used FP64 ulps, 2**29 times smaller: no FP32 difference was a tie.)
+    e, h_dim = 256, 64
+    bias = -0.3 - torch.arange(e, dtype=torch.float32) * 1e-3
+    bias[7] = 0.25  # c[7] = 0.75
+    bias[8] = 0.25 - ulps * 2.0**-24  # c[8] = 0.75 - ulps FP32 ulps of 0.75, exactly
+    args = (torch.zeros(1, h_dim, dtype=torch.bfloat16), torch.randn(e, h_dim), bias, 8, 4, 8)
+    _, ids = contract("router").reference(*args)
+    assert ids[0, :2].tolist() == [7, 8]
+    swapped = ids.clone()
+    swapped[0, [0, 1]] = ids[0, [1, 0]]
+    ok, rows = router_tie_rows(args, ids, swapped)
+    assert bool(ok[0]) is tolerated and rows[0]["tie"] is tolerated
+
+
 def test_an_infinite_candidate_counts_as_far_off_not_as_an_overflow():
     # ceil(inf) has no int64: it once became INT64_MIN, whose abs is negative, and the per-ulp
     # count (bincount) raised. A cache slot left holding inf by a wrong write is judged instead.

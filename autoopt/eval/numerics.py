@@ -3,7 +3,7 @@
 Floating outputs are compared in units of their own dtype's ulp (BF16 ulps for BF16 outputs, FP32
 ulps for FP32 outputs) through a monotonic integer image of the bit patterns, so the distance is
 exact and NaN-aware. Integer outputs (expert ids) are compared exactly; the router alone may
-differ where the reference's own top-k boundary is an FP32 tie within ulp noise (see
+differ as another resolution of an FP32 tie within ulp noise would select them (see
 `router_tie_rows`).
 
 Every bound holds per shape and per output (the verifier keeps one `OutputStats` per pair), so
@@ -23,6 +23,7 @@ bitwise op is judged strictly. The report's checks say which policy ran.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -310,12 +311,24 @@ def ulp_distance(a: tuple, b: tuple) -> int:
 
 # Router ids: a row may differ only where the reference's own choice is a tie within FP32 noise.
 # GEMM reduction order moves a logit by a few ulps; through the sigmoid the choice score moves
-# by fewer. 64 FP32 ulps of the boundary value is generous for noise and far below a real change.
+# by fewer. 64 FP32 ulps of the boundary value is generous for noise and far below a real change
+# (BF16 logits move a score by ~1e-3). The scale is floored at 0.5: c = s + bias carries the
+# noise of s (up to 1) even where the sum cancels to near zero.
 TIE_ULPS = 64
+TIE_SCALE_FLOOR = 0.5
+# Kept-group sets tried per row where several group scores tie the boundary (rows of equal
+# scores in very many groups have more; the first tried keeps the lower-numbered groups).
+MAX_GROUP_CHOICES = 512
 
 
 def router_tie_rows(inputs: tuple, ref_ids: torch.Tensor, cand_ids: torch.Tensor) -> tuple:
     """(tolerated [T] bool, details) for rows whose ids differ only across an FP32 tie.
+
+    A row is tolerated when its ids are the reference's selection under another resolution of
+    ties within TIE_ULPS: the kept groups may differ from the reference's among groups whose
+    score ties the last kept one (the experts then come from other groups, none of them near
+    the reference's boundary), and the top-k over the kept groups may differ among experts
+    whose score ties its boundary; the ids stay in descending score order up to such ties.
 
     The selection score c = sigmoid(f32(h) @ W^T) + bias is recomputed here to classify rows; it
     mirrors the first line of model.ops.router.reference and is used for nothing else.
@@ -329,7 +342,8 @@ def router_tie_rows(inputs: tuple, ref_ids: torch.Tensor, cand_ids: torch.Tensor
     rows = []
     for r in torch.nonzero(differ).flatten().tolist():
         rs, cs = set(ref_ids[r].tolist()), set(cand_ids[r].tolist())
-        tie = _is_tie(c[r], gs[r], rs, cs, ref_ids[r], cand_ids[r], e // n_group, topk_group)
+        tie = _is_tie(c[r].cpu(), gs[r].tolist(), cand_ids[r].tolist(), e // n_group,
+                      topk_group)
         ok[r] = tie
         rows.append({"row": r, "tie": tie, "ref": sorted(rs - cs), "cand": sorted(cs - rs)})
     return ok, rows
@@ -354,20 +368,53 @@ def align_tied_slots(ref: tuple, outs: tuple, ok: torch.Tensor) -> tuple[tuple, 
     return (w, ids, *outs[2:]), ok
 
 
+def _ulp32(x: float) -> float:
+    """One FP32 ulp at |x| (x an FP32 value held as a Python float; math.ulp is FP64's)."""
+    return max(math.ulp(abs(x)) * 2.0**29, 2.0**-149)
+
+
 def _near(a: float, b: float) -> bool:
-    return abs(a - b) <= TIE_ULPS * math.ulp(max(abs(a), abs(b)))
+    return abs(a - b) <= TIE_ULPS * _ulp32(max(abs(a), abs(b), TIE_SCALE_FLOOR))
 
 
-def _is_tie(c, gs, rs, cs, ref_row, cand_row, group_size, topk_group) -> bool:
-    if rs == cs:  # same experts, different slot order: swapped scores must be equal-ish
-        return all(_near(float(c[a]), float(c[b]))
-                   for a, b in zip(ref_row.tolist(), cand_row.tolist(), strict=True) if a != b)
-    boundary = min(float(c[i]) for i in rs)
-    gsorted = gs.sort(descending=True).values
-    gboundary = float(gsorted[topk_group - 1])
-    for x in rs ^ cs:
-        expert_tie = _near(float(c[x]), boundary)
-        group_tie = _near(float(gs[x // group_size]), gboundary)
-        if not (expert_tie or group_tie):
-            return False
-    return True
+def _is_tie(c: torch.Tensor, gs: list[float], cand: list[int], group_size: int,
+            topk_group: int) -> bool:
+    cl = c.tolist()
+    if len(set(cand)) != len(cand) or not all(0 <= x < len(cl) for x in cand):
+        return False
+    # Descending score order up to ties (the slot order feeds the combine).
+    if any(cl[a] < cl[b] and not _near(cl[a], cl[b]) for a, b in zip(cand, cand[1:])):
+        return False
+    for kept in _kept_group_choices(gs, topk_group):
+        if any(x // group_size not in kept for x in cand):
+            continue
+        want = _top_in(c, kept, group_size, len(cand))
+        ws, cs = set(want), set(cand)
+        if ws == cs:  # the same experts in another slot order: swapped scores must tie
+            if all(_near(cl[a], cl[b]) for a, b in zip(want, cand) if a != b):
+                return True
+            continue
+        boundary = min(cl[i] for i in want)
+        if all(_near(cl[x], boundary) for x in ws ^ cs):
+            return True
+    return False
+
+
+def _kept_group_choices(gs: list[float], topk_group: int):
+    """The kept-group sets a tie resolution may give: every group scored clearly above the
+    topk_group-th, the rest from the groups that tie it (the reference's own set among them)."""
+    order = sorted(range(len(gs)), key=lambda g: (-gs[g], g))
+    gb = gs[order[topk_group - 1]]
+    tied = [g for g in order if _near(gs[g], gb)]
+    sure = {g for g in order if gs[g] > gb and g not in tied}
+    for combo in itertools.islice(itertools.combinations(tied, topk_group - len(sure)),
+                                  MAX_GROUP_CHOICES):
+        yield sure | set(combo)
+
+
+def _top_in(c: torch.Tensor, kept: set[int], group_size: int, k: int) -> list[int]:
+    """The reference's top-k of c over the kept groups (model/ops/router.py `_select`)."""
+    mask = torch.zeros(c.numel(), dtype=torch.bool)
+    for g in kept:
+        mask[g * group_size:(g + 1) * group_size] = True
+    return torch.topk(c.masked_fill(~mask, float("-inf")), k=k)[1].tolist()

@@ -7,7 +7,8 @@ score is the sum of the top-2 of c in it; keep the top `topk_group` groups; ids 
 sorted descending (this slot order feeds the combine); w = s[ids] / (sum + 1e-20). The routed
 scale 2.5 is not applied here.
 
-Policy: ids exactly (rows whose reference top-k or top-group boundary is an FP32 tie excepted);
+Policy: ids exactly, except as another resolution of an FP32 tie at the top-k or the kept-group
+boundary selects them (autoopt/eval/numerics.py `router_tie_rows`);
 weights within 16 FP32 ulps on at most 90% of elements, unbiased, and closer to the reference than
 to each near miss (BF16 logits, weights from the bias-corrected scores, unrenormalised, the routed
 scale applied here, softmax scores). The GEMV's summation order is free: see NUMERICS below.
@@ -121,8 +122,9 @@ NUMERICS = Numerics(
         "routed_scale_applied": _routed_scale_applied,
         "softmax_scores": _softmax_scores,
     },
-    note="ids must match exactly except where the reference's own top-k boundary is an FP32 tie "
-         "(or a group tie); weights within 16 FP32 ulps, the GEMV's summation order being free",
+    note="ids must match exactly except as another resolution of an FP32 tie at the top-k or the "
+         "kept-group boundary selects them; weights within 16 FP32 ulps, the GEMV's summation "
+         "order being free",
 )
 
 
