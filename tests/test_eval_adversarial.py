@@ -57,7 +57,9 @@ REJECTED: dict[str, tuple[str, tuple[str, ...], str]] = {
     "call_count_list_torch": ("swiglu", _CHANGED, "any"),
     # Exact without a config, wrong with the DEFAULT_CONFIG serving passes.
     "config_detect_torch": ("swiglu", _NUMERIC, "any"),
-    "call_count_device_triton": ("swiglu", _CHANGED, "any"),
+    # Its counter is a module-level tensor: the state check may see it change before the
+    # marathon's hundredth call (how many calls fit depends on the machine's load).
+    "call_count_device_triton": ("swiglu", (*_CHANGED, _STATE), "any"),
     # Counts no number of judged calls reaches (a million, a billion): the state a candidate
     # keeps differs after two calls on the same inputs, wherever it keeps it.
     "call_count_closure_torch": ("swiglu", (_STATE,), "all"),
