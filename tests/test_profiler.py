@@ -114,14 +114,26 @@ def test_gpu_only_paths_refused_on_cpu():
     assert result.exit_code == 2 and "no CUDA GPU" in result.output
 
 
+# What may run outside every op's range: allocation, casts, views and indexing around the ops,
+# and the greedy sampler's argmax. No GEMM, softmax, norm or elementwise math.
+GLUE = {"aten::select", "aten::empty", "aten::empty_strided", "aten::to", "aten::_to_copy",
+        "aten::copy_", "aten::lift_fresh", "aten::detach_", "aten::detach", "aten::index",
+        "aten::index_select", "aten::argmax", "aten::resolve_conj", "aten::resolve_neg",
+        "aten::cat", "aten::stack", "aten::view", "aten::reshape", "aten::slice",
+        "aten::unsqueeze", "aten::squeeze", "aten::expand", "aten::as_strided", "aten::item",
+        "aten::_local_scalar_dense", "aten::contiguous", "aten::clone", "aten::zeros",
+        "aten::full", "aten::fill_", "aten::zero_", "aten::arange", "aten::t",
+        "aten::transpose", "aten::permute", "aten::split", "aten::narrow"}
+
+
 def test_other_row_only_holds_unranged_work(prof):
-    # Attention glue (torch.cat of per-sequence outputs, views) is the only unranged work.
+    # Glue is the only unranged work: judged by what the kernels are, not by their share of
+    # the step's time (a loaded two-core machine once stretched 67 glue calls to 6.7%).
     other = [r for r in prof.rows if r.op == OTHER]
     assert len(other) <= 1
-    if other:
-        assert other[0].share < 5.0
     # The unranged kernels are named in the checks, counted as the row counts them.
     by_name = prof.checks["unlabelled_by_name"]
+    assert set(by_name) <= GLUE, sorted(set(by_name) - GLUE)
     assert sum(by_name.values()) <= prof.checks["unlabelled_kernels"]
     assert prof.checks["unlabelled_kernels"] == (other[0].kernels if other else 0)
     assert all(isinstance(n, str) and k > 0 for n, k in by_name.items())
