@@ -326,9 +326,10 @@ def router_tie_rows(inputs: tuple, ref_ids: torch.Tensor, cand_ids: torch.Tensor
 
     A row is tolerated when its ids are the reference's selection under another resolution of
     ties within TIE_ULPS: the kept groups may differ from the reference's among groups whose
-    score ties the last kept one (the experts then come from other groups, none of them near
-    the reference's boundary), and the top-k over the kept groups may differ among experts
-    whose score ties its boundary; the ids stay in descending score order up to such ties.
+    score ties the last kept one (the experts then follow those groups, some of them perhaps
+    far from the reference's boundary), and the top-k over the kept groups may differ among
+    experts whose score ties its boundary; the ids stay distinct and in descending score order
+    up to such ties.
 
     The selection score c = sigmoid(f32(h) @ W^T) + bias is recomputed here to classify rows; it
     mirrors the first line of model.ops.router.reference and is used for nothing else.
