@@ -79,9 +79,14 @@ def test_floor_is_bytes_over_bandwidth_or_flops_over_rate():
     assert floor_us(c, shape, ceil) == pytest.approx(c.cost(shape).bytes / 4e12 * 1e6)
     router = contract("router")
     rshape = {"T": 4096, "H": 5120, "E": 256}
-    flops_floor = router.cost(rshape).flops / 5e13 * 1e6  # FP32 GEMM: the FP32 rate applies
+    # FP32 GEMM of BF16 activations: three exact BF16 products a FLOP (8e14 / 3) beat 5e13 FMAs.
+    flops_floor = router.cost(rshape).flops / (8e14 / 3) * 1e6
     assert floor_us(router, rshape, ceil) == pytest.approx(
         max(flops_floor, router.cost(rshape).bytes / 4e12 * 1e6))
+    assert flops_floor > router.cost(rshape).bytes / 4e12 * 1e6  # a FLOP-bound shape
+    slow_tc = Ceilings(copy_bytes_s=4e12, bf16_flops_s=1e14, fp32_flops_s=5e13, gpu="test")
+    assert floor_us(router, rshape, slow_tc) == pytest.approx(  # FMAs win: the FP32 rate
+        router.cost(rshape).flops / 5e13 * 1e6)
 
 
 def test_bench_op_rows_on_cpu():

@@ -94,8 +94,10 @@ def test_attribute_shares_floors_and_idle():
             KernelRecord("c", OTHER, 5.0, 10)]
     expected = [OpCall("rmsnorm", {"T": 1}, 2, Cost(bytes=1000, flops=0)),
                 OpCall("moe_experts", {"T": 1}, 1, Cost(bytes=2000, flops=4000)),
-                OpCall("router", {"T": 1}, 1, Cost(bytes=100, flops=10))]
-    rates = Rates(1e9, 1e9, 1e6, "test")  # 1 byte/ns; FP32 slow, so the router is FLOP-bound
+                OpCall("router", {"T": 1}, 1, Cost(bytes=100, flops=3000))]
+    # 1 byte/ns; FP32 FMAs slow, so the router is FLOP-bound at a third of the BF16 rate (exact
+    # three-term BF16 products beat 1 MFLOP/s of FMAs).
+    rates = Rates(1e9, 1e9, 1e6, "test")
     rows, kernel_us, floor_us = attribute(recs, {"rmsnorm": 2}, expected, rates, step_us=100.0)
     by = {r.op: r for r in rows}
     assert [r.op for r in rows] == ["moe_experts", "rmsnorm", "router", OTHER, IDLE]
@@ -103,11 +105,11 @@ def test_attribute_shares_floors_and_idle():
     assert sum(r.share for r in rows) == pytest.approx(100.0)
     assert by["rmsnorm"].floor_us == pytest.approx(2.0) and by["rmsnorm"].gap_us == 28.0
     assert by["moe_experts"].floor_us == pytest.approx(4.0)  # FLOPs bound at 1 GFLOP/s
-    assert by["router"].floor_us == pytest.approx(10.0)  # FP32 rate for the router
+    assert by["router"].floor_us == pytest.approx(9.0)  # 3000 FLOPs at 1e9 / 3 FLOP/s
     assert by["router"].time_us == 0.0 and by["router"].calls == 1
     assert by["rmsnorm"].bytes == 3000 and by["rmsnorm"].bytes_source == "ncu"
     assert by["moe_experts"].gbps == pytest.approx(9000 / 50.0 / 1e3)
-    assert floor_us == pytest.approx(16.0)
+    assert floor_us == pytest.approx(15.0)
 
 
 def test_attribute_without_measured_bytes_and_kernels_over_wall():

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from autoopt.env import cache_dir
+from model.ops._contract import fp32_gemm_flops_s
 
 from .trials import refill, shape_key
 from .worker_burst import release_generators
@@ -272,9 +273,11 @@ def _measure(device: str, *, copy_mb: int, n_bf16: int, n_fp32: int, name: str,
 
 
 def floor_us(contract: Any, shape: dict, ceilings: Ceilings) -> float:
-    """The op's floor at `shape`: bytes over copy bandwidth, FLOPs over the matching rate."""
+    """The op's floor at `shape`: bytes over copy bandwidth, FLOPs over the matching rate (the
+    router's FP32 GEMM at `fp32_gemm_flops_s`: FP32 FMAs or exact three-term BF16 products)."""
     cost = contract.cost(shape)
-    rate = ceilings.fp32_flops_s if contract.name == "router" else ceilings.bf16_flops_s
+    rate = (fp32_gemm_flops_s(ceilings.bf16_flops_s, ceilings.fp32_flops_s)
+            if contract.name == "router" else ceilings.bf16_flops_s)
     return cost.floor_s(ceilings.copy_bytes_s, rate) * 1e6
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from model.ops import OP_NAMES
+from model.ops._contract import fp32_gemm_flops_s
 
 from ..targets import REGIONS, OpCall
 
@@ -28,8 +29,9 @@ GRAPH_IDLE = "idle inside the graph"  # device gaps between a graph replay's ker
 OUTSIDE = "outside the graph (host, copies, sampling)"  # the served step's rest
 LINES = (IDLE, GRAPH_IDLE, OUTSIDE)  # rows that are time on no kernel
 KNOWN_RANGES: tuple[str, ...] = tuple(OP_NAMES) + REGIONS
-# The router is an FP32 GEMM: its floor uses the FP32 rate; every other op uses the BF16 rate,
-# the same rule as autoopt.eval.timing.floor_us (elementwise ops are bound by bytes either way).
+# The router is an FP32 GEMM: its floor uses `fp32_gemm_flops_s` (FP32 FMAs or exact three-term
+# BF16 products, whichever is faster); every other op uses the BF16 rate, the same rule as
+# autoopt.eval.timing.floor_us (elementwise ops are bound by bytes either way).
 FP32_OPS = {"router"}
 SCHEMA = "autoopt.profile/2"
 
@@ -64,8 +66,12 @@ class Rates:
     source: str  # "measured on <gpu>" | "datasheet (<target>)"
     meaningful: bool = True
 
+    @property
+    def fp32_gemm_flops_s(self) -> float:
+        return fp32_gemm_flops_s(self.bf16_flops_s, self.fp32_flops_s)
+
     def floor_s(self, name: str, cost) -> float:
-        rate = self.fp32_flops_s if name in FP32_OPS else self.bf16_flops_s
+        rate = self.fp32_gemm_flops_s if name in FP32_OPS else self.bf16_flops_s
         return cost.floor_s(self.bandwidth_bytes_s, rate)
 
 

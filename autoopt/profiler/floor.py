@@ -6,7 +6,8 @@ from the real routing of the recorded step, `OpCall.touched`) plus the KV cache 
 writes (decode: every sequence's keys in every layer, a window of them in sliding layers, and
 the new token's K/V; prefill: the prompts' K/V written and read once). FLOPs: the op contracts'
 and the GEMM regions' FLOPs. floor = max(bytes / bandwidth, FLOPs / BF16 rate), the router's
-FP32 GEMM at the FP32 rate. Activations are not counted (small next to weights at decode).
+FP32 GEMM at the higher of the FP32 FMA rate and a third of the BF16 rate (exact three-term BF16
+products: model/ops/_contract.py `fp32_gemm_flops_s`). Activations are not counted (small next to weights at decode).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def step_floor(calls: Sequence[OpCall], model, phase: str, batch: int, context: 
     flops = sum(c.cost.flops * c.count for c in calls if c.name not in FP32_OPS)
     fp32 = sum(c.cost.flops * c.count for c in calls if c.name in FP32_OPS)
     bytes_s = (weights + kv) / rates.bandwidth_bytes_s
-    flops_s = flops / rates.bf16_flops_s + fp32 / rates.fp32_flops_s
+    flops_s = flops / rates.bf16_flops_s + fp32 / rates.fp32_gemm_flops_s
     return StepFloor(
         weight_bytes=weights, expert_bytes=experts, kv_bytes=kv, flops=flops, fp32_flops=fp32,
         bandwidth_bytes_s=rates.bandwidth_bytes_s, floor_us=1e6 * max(bytes_s, flops_s),
