@@ -1,4 +1,4 @@
-"""router triton_v1 to triton_v4 against the router reference: ids exactly (modulo
+"""router triton_v1 to triton_v5 against the router reference: ids exactly (modulo
 FP32 ties), weights within the op's policy, at the real width (H=5120, E=256, 8 groups, top-4
 groups, top-8) and smaller.
 
@@ -27,7 +27,7 @@ C = CONTRACTS["router"]
 REAL = {"H": 5120, "E": 256, "n_group": 8, "topk_group": 4, "top_k": 8}
 
 
-VARIANTS = ["triton_v1", "triton_v2", "triton_v3", "triton_v4"]
+VARIANTS = ["triton_v1", "triton_v2", "triton_v3", "triton_v4", "triton_v5"]
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
@@ -54,6 +54,11 @@ def v3():
 @pytest.fixture(scope="module")
 def v4():
     return Registry().load_variant("router", "triton_v4")
+
+
+@pytest.fixture(scope="module")
+def v5():
+    return Registry().load_variant("router", "triton_v5")
 
 
 def check(args: tuple, got: tuple, ref: tuple | None = None) -> list[dict]:
@@ -118,10 +123,12 @@ def test_prefill_2048_tokens(v1, cfg):
 def test_prefill_2048_tokens_at_real_width(mod):
     # The default prefill path at the real width: its logits are the reference's own GEMM, so
     # the ids are identical (not merely equal modulo ties).
+    # triton_v5's default there is its own (exact-product) GEMM: equal modulo FP32 ties.
     args = C.make_inputs({"T": 2048, **REAL}, 12)
     w, ids = mod.run(*args, config={"SEL_T": 8, "SEL_WARPS": 4})
     rw, rids = C.reference(*args)
-    assert torch.equal(ids, rids)
+    if "bf16x3" not in getattr(mod, "CONFIG_SPACE", {}).get("GEMM", []):
+        assert torch.equal(ids, rids)
     check(args, (w, ids), (rw, rids))
 
 
@@ -389,7 +396,156 @@ def test_v4_default_buckets(v4):
         assert all(v in v4.CONFIG_SPACE[k] for k, v in cfg.items()), (t, cfg)
 
 
-@pytest.mark.parametrize("variant", ["triton_v2", "triton_v4"])
+# --- triton_v5: triton_v4 with the FP32 GEMM from 17 tokens as three exact BF16 products ----
+
+_SPLIT3 = _v5_split3 = None
+
+
+def _split3_kernel():
+    # triton_v5's own `_split3`, each term stored: the property the GEMM's exactness rests on.
+    global _SPLIT3, _v5_split3
+    if _SPLIT3 is None:
+        import triton
+        import triton.language as tl
+
+        _v5_split3 = Registry().load_variant("router", "triton_v5")._split3  # a global: jit
+
+        @triton.jit
+        def k(w_ptr, o_ptr, N: tl.constexpr):
+            offs = tl.arange(0, N)
+            w1, w2, w3 = _v5_split3(tl.load(w_ptr + offs))
+            tl.store(o_ptr + offs, w1)
+            tl.store(o_ptr + N + offs, w2)
+            tl.store(o_ptr + 2 * N + offs, w3)
+
+        _SPLIT3 = k
+    return _SPLIT3
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_v5_split_terms_are_bf16_and_sum_to_the_weight(seed):
+    # Random bit patterns over exponents 2**-100 to 2**100, both signs, plus values whose low
+    # bits round BF16 up (the split truncates: no carry to lose) and exact BF16 values.
+    g = torch.Generator().manual_seed(seed)
+    n = 4096
+    mant = torch.rand(n, generator=g, dtype=torch.float64) + 1.0
+    exp = torch.randint(-100, 101, (n,), generator=g).double()
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()
+    w = (sign * mant * torch.pow(2.0, exp)).float()
+    w[:8] = torch.tensor([1.0, -0.0, 0.0, 3.0, 1 + 2**-8 + 2**-9, -(1 - 2**-24), 2**-23, 0.1])
+    out = torch.empty(3 * n)
+    _split3_kernel()[(1,)](w, out, N=n)
+    terms = out.view(3, n)
+    for t in terms:
+        assert torch.equal(t.bfloat16().float(), t)  # each term a BF16 value
+    assert torch.equal(terms.double().sum(0), w.double())  # and exactly the weight
+    assert (terms[0].abs() >= terms[1].abs()).all() and (terms[1].abs() >= terms[2].abs()).all()
+
+
+def _dyadic_inputs(t: int, h_dim: int, e: int, seed: int):
+    # h of +-1 at 16 places a row, weights of 20 significant bits below 1/8 (multiples of
+    # 2**-22): every product and every partial sum is such a multiple below 2, exact in FP32, so
+    # each summation order gives the exact logits; one BF16 (or TF32) rounding of a weight does
+    # not.
+    g = torch.Generator().manual_seed(seed)
+    h = torch.zeros(t, h_dim)
+    for row in h:
+        row[torch.randperm(h_dim, generator=g)[:16]] = 1.0
+    h *= torch.where(torch.rand(t, h_dim, generator=g) < 0.5, -1.0, 1.0)
+    w = (torch.randint(-2**19, 2**19, (e, h_dim), generator=g).double() * 2**-22).float()
+    return h.to(torch.bfloat16), w
+
+
+def _v5_logits(v5, h, w, cfg: dict, device="cpu") -> torch.Tensor:
+    import triton
+
+    t, hid = h.shape
+    e = w.shape[0]
+    bk = cfg["BLOCK_K"]
+    split = min(cfg["SPLIT_K"], triton.cdiv(hid, bk))
+    steps = triton.cdiv(triton.cdiv(hid, split), bk)
+    split = triton.cdiv(hid, steps * bk)
+    part = torch.full((split, t, e), float("nan"), device=device)
+    grid = (triton.cdiv(e, cfg["BLOCK_E"]), split, triton.cdiv(t, cfg["BLOCK_T"]))
+    v5._router_bf16x3_kernel[grid](h, w, part, t, hid, h.stride(0), w.stride(0), E=e,
+                                   BLOCK_T=cfg["BLOCK_T"], BLOCK_E=cfg["BLOCK_E"], BLOCK_K=bk,
+                                   K_STEPS=steps, ON_GPU=h.is_cuda, PDL=False,
+                                   num_warps=cfg.get("num_warps", 4))
+    return part.double().sum(0)
+
+
+@pytest.mark.parametrize("cfg", [
+    {"BLOCK_T": 16, "BLOCK_E": 16, "BLOCK_K": 64, "SPLIT_K": 1},
+    {"BLOCK_T": 32, "BLOCK_E": 32, "BLOCK_K": 32, "SPLIT_K": 3},
+    {"BLOCK_T": 64, "BLOCK_E": 128, "BLOCK_K": 64, "SPLIT_K": 4}])
+def test_v5_tensor_core_logits_are_exact_products(v5, cfg):
+    # Odd T, H and E (masked tiles on every side, a ragged last K slice): the partials sum to the
+    # exact logits, which a single BF16 term of the weight would not.
+    h, w = _dyadic_inputs(21, 200, 48, 0)
+    exact = h.double() @ w.double().T
+    assert not torch.equal(h.double() @ w.bfloat16().double().T, exact)
+    assert torch.equal(_v5_logits(v5, h, w, cfg), exact)
+
+
+@pytest.mark.parametrize("t,seed", [(17, 0), (33, 1), (70, 2)])
+def test_v5_real_width_with_its_tensor_core_gemm(v5, t, seed):
+    # The default from 17 tokens (the top-k selection to 64, the rounds above) over H = 5120.
+    args = C.make_inputs({"T": t, **REAL}, seed)
+    assert v5.default_config(t)["GEMM"] == "bf16x3"
+    check(args, v5.run(*args))
+
+
+def test_v5_configs_stay_in_policy(v5):
+    # Tiles from 16 to 128 tokens and 256 experts, split-K, both selections, the other GEMMs.
+    args = C.make_inputs({"T": 70, "H": 640, "E": 256}, 9)
+    ref = C.reference(*args)
+    for cfg in ({}, {"BLOCK_T": 16, "BLOCK_E": 16, "BLOCK_K": 16, "SPLIT_K": 40},
+                {"BLOCK_T": 128, "BLOCK_E": 256, "BLOCK_K": 128, "SPLIT_K": 1, "num_warps": 8,
+                 "num_stages": 4},
+                {"BLOCK_T": 32, "BLOCK_E": 64, "BLOCK_K": 32, "SPLIT_K": 5, "SEL": "topk"},
+                {"GEMM": "bf16x3", "BLOCK_T": 1, "BLOCK_E": 2, "SPLIT_K": 2, "SEL_T": 8},
+                {"GEMM": "dot"}, {"GEMM": "lib"}, {"GEMM": "fma", "BLOCK_T": 8, "BLOCK_E": 16}):
+        assert all(v in v5.CONFIG_SPACE[k] for k, v in cfg.items()), cfg
+        check(args, v5.run(*args, config=cfg), ref)
+    with pytest.raises(ValueError, match="GEMM must be one of"):
+        v5.run(*args, config={"GEMM": "tf32"})
+
+
+def test_v5_fp32_activations_take_the_fma_tiles(v5):
+    # An FP32 h is not BF16-exact: the three-term split would not give exact products, so the
+    # FP32 FMA tiles run instead, with the same ids and weights as triton_v5's "dot" config.
+    h, w, b, ng, tg, k = C.make_inputs({"T": 20, "H": 96, "E": 256}, 4)
+    args = (h.float() * (1 + 2**-12), w, b, ng, tg, k)
+    got = v5.run(*args, config={"GEMM": "bf16x3"})
+    dot = v5.run(*args, config={"GEMM": "dot"})
+    assert torch.equal(got[1], dot[1]) and torch.equal(got[0], dot[0])
+    check(args, got)
+
+
+@pytest.mark.parametrize("t,seed", [(1, 0), (5, 2), (21, 1)])
+def test_v5_is_bitwise_v4_with_the_same_gemm(v4, v5, t, seed):
+    # The selection and the other GEMMs are triton_v4's: the same outputs bit for bit.
+    args = C.make_inputs({"T": t, "H": 640, "E": 256}, seed)
+    for cfg in ({"GEMM": "fma", "BLOCK_T": 4, "BLOCK_E": 8, "BLOCK_K": 64, "SPLIT_K": 10},
+                {"GEMM": "dot", "BLOCK_T": 32, "BLOCK_E": 32, "BLOCK_K": 32, "SPLIT_K": 20},
+                {"GEMM": "lib", "SEL": "rounds", "SEL_T": 2}):
+        w4, i4 = v4.run(*args, config=cfg)
+        w5, i5 = v5.run(*args, config=cfg)
+        assert torch.equal(i5, i4) and torch.equal(w5.view(torch.int32), w4.view(torch.int32))
+
+
+def test_v5_default_buckets(v5):
+    # triton_v4's GEMV to 16 tokens; the three-term tiles from 17, prefill included: two kernels
+    # at every T.
+    assert [v5.default_config(t)["GEMM"] for t in (1, 2, 4, 8, 16, 17, 64, 65, 2048)] == \
+        ["fma"] * 5 + ["bf16x3"] * 4
+    assert v5.default_config(64)["SEL"] == "topk" and v5.default_config(65)["SEL"] == "rounds"
+    for t in (1, 2, 4, 8, 16, 17, 32, 64, 2048):
+        cfg = v5.default_config(t)
+        assert all(v in v5.CONFIG_SPACE[k] for k, v in cfg.items()), (t, cfg)
+
+
+@pytest.mark.parametrize("variant", ["triton_v2", "triton_v4", "triton_v5"])
 def test_correction_biases_below_minus_two(variant):
     # Every c = s + bias below -2: the masked and already-taken experts must stay below every
     # real key (the contract's `negative_bias` edge case, which the judge runs). triton_v1 and
@@ -399,7 +555,7 @@ def test_correction_biases_below_minus_two(variant):
     args = C.make_inputs({"T": 3, "H": 64, "E": 256, "bias_offset": -4}, 5)
     ref = C.reference(*args)
     check(args, mod.run(*args), ref)
-    if variant == "triton_v4":
+    if variant in ("triton_v4", "triton_v5"):
         check(args, mod.run(*args, config={"SEL": "rounds"}), ref)
     v1 = Registry().load_variant("router", "triton_v1")
     assert not torch.equal(v1.run(*args)[1], ref[1])
@@ -545,6 +701,44 @@ def test_gpu_v4_pdl_under_graphs_is_bitwise_without_pdl(v3, v4, t):
         assert torch.equal(out[0].view(torch.int32), plain[0].view(torch.int32))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [
+    {"BLOCK_T": 16, "BLOCK_E": 16, "BLOCK_K": 64, "SPLIT_K": 1},
+    {"BLOCK_T": 32, "BLOCK_E": 32, "BLOCK_K": 64, "SPLIT_K": 3},
+    {"BLOCK_T": 64, "BLOCK_E": 128, "BLOCK_K": 64, "SPLIT_K": 4}])
+def test_gpu_v5_tensor_core_logits_are_exact_products(v5, cfg):
+    # On the tensor cores (mma.sync, and wgmma at 64 x 128 tiles): the exact logits, bit for bit.
+    h, w = _dyadic_inputs(150, 5120, 256, 1)
+    exact = h.double() @ w.double().T
+    got = _v5_logits(v5, h.cuda(), w.cuda(), cfg, device="cuda").cpu()
+    assert torch.equal(got, exact)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [32, 2048])
+def test_gpu_v5_pdl_under_graphs_is_bitwise_without_pdl(v5, t):
+    # The three-term tiles and the selection under a CUDA graph with PDL: the same bits as
+    # launched plainly without it.
+    h, w, b, ng, tg, k = _gpu_args(t, 5)
+    src = torch.randn_like(h)
+    cfg = v5.default_config(t)
+    plain = v5.run(h, w, b, ng, tg, k, config={**cfg, "PDL": 0})
+    check((h, w, b, ng, tg, k), plain)
+    hh = torch.empty_like(h)
+    v5.run(hh.copy_(src), w, b, ng, tg, k, config=cfg)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        hh.copy_(src)
+        out = v5.run(hh, w, b, ng, tg, k, config=cfg)
+    src.copy_(h)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out[1], plain[1])
+        assert torch.equal(out[0].view(torch.int32), plain[0].view(torch.int32))
+
+
 @pytest.mark.slow
 def test_gpu_script_dry_run(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
@@ -611,6 +805,10 @@ def test_template_and_hand_written_variants_compile_for_sm90(tmp_path):
                           str(ROOT / "kernels" / "router" / "triton_v4.py")], env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.count("ok") == 7, res.stderr[-3000:]
+    res = subprocess.run([sys.executable, "-c", _SM90_V5,
+                          str(ROOT / "kernels" / "router" / "triton_v5.py")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.count("ok") == 5, res.stderr[-3000:]
 
 
 # The fused decode kernels (FMA GEMV + atomic counter + selection), the FMA prefill tiles (a
@@ -724,3 +922,39 @@ for pdl in (True, False):
 go(m._router_select_rounds_kernel, sel + [C], dict(SPLIT=1, E=256, NG=8, TOPK_GROUP=4,
                                                    TOP_K=8, SEL_T=1, ON_GPU=True, PDL=True), 1)
 '''
+
+# triton_v5: the three-term tiles compile to BF16 tensor-core products with FP32 accumulation
+# (wgmma at 64-row tiles on 4 warps, mma.sync below), never TF32; its selection kernels are
+# triton_v4's.
+_SM90_V5 = '''
+import importlib.util, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+spec = importlib.util.spec_from_file_location("v", sys.argv[1])
+m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
+P, F, N, C = "*bf16", "*fp32", "i32", "constexpr"
+def go(fn, types, cx, nw=4, mma=None):
+    k = triton.compile(ASTSource(fn, dict(zip(fn.arg_names, types)), cx),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=nw, num_stages=3))
+    ptx = k.asm["ptx"]
+    assert ".target sm_90" in ptx
+    assert ("griddepcontrol.wait" in ptx) == bool(cx["PDL"]), cx
+    assert "tf32" not in ptx, "TF32 rounds the weight: not the router's FP32 products"
+    if mma:
+        ops = set(re.findall(r"\\b(?:wgmma\\.mma_async|mma\\.sync)[.\\w]*", ptx))
+        assert ops and all(".f32.bf16.bf16" in op for op in ops), ops
+        assert any(op.startswith(mma) for op in ops), (mma, ops)
+    print("ok")
+gemm = [P, F, F, N, N, N, N] + [C] * 7
+for cfg, mma in ((dict(BLOCK_T=64, BLOCK_E=128, BLOCK_K=64, K_STEPS=20, PDL=True), "wgmma"),
+                 (dict(BLOCK_T=32, BLOCK_E=32, BLOCK_K=64, K_STEPS=4, PDL=False), "mma.sync"),
+                 (dict(BLOCK_T=16, BLOCK_E=16, BLOCK_K=16, K_STEPS=2, PDL=True), "mma.sync")):
+    go(m._router_bf16x3_kernel, gemm, {"E": 256, "ON_GPU": True, **cfg}, mma=mma)
+sel = [F, F, F, "*i64", N] + [C] * 7
+go(m._router_select_topk_kernel, sel, dict(SPLIT=20, E=256, NG=8, TOPK_GROUP=4, TOP_K=8,
+                                           ON_GPU=True, PDL=True), 8)
+go(m._router_select_rounds_kernel, sel + [C], dict(SPLIT=4, E=256, NG=8, TOPK_GROUP=4,
+                                                   TOP_K=8, SEL_T=1, ON_GPU=True, PDL=True), 1)
+'''
+
