@@ -774,9 +774,26 @@ def test_template_renders_and_tuned_configs_stay_in_policy(tmp_path):
     args = C.make_inputs({"T": 9, "H": 320, "E": 256}, 8)
     ref = C.reference(*args)
     for cfg in ({}, {"FUSE": 1, "SPLIT_K": 5, "BLOCK_T": 16, "BLOCK_E": 32, "BLOCK_K": 64},
-                {"FUSE": 0, "SPLIT_K": 40, "BLOCK_K": 32, "SEL_T": 8, "SEL_WARPS": 4}):
+                {"FUSE": 0, "SPLIT_K": 40, "BLOCK_K": 32, "SEL_T": 8, "SEL_WARPS": 4},
+                {"TC_GEMM": 1, "BLOCK_T": 1, "BLOCK_E": 2, "BLOCK_K": 64, "SPLIT_K": 2},
+                {"TC_GEMM": 1, "BLOCK_T": 64, "BLOCK_E": 128, "BLOCK_K": 128, "SPLIT_K": 1,
+                 "SEL_T": 4}):
         assert all(v in space[k] for k, v in cfg.items())
         check(args, m.run(*args, config=cfg), ref)
+    # Past the FMA tiles' 64 tokens the tensor-core tiles still run (cuBLAS only without them).
+    big = C.make_inputs({"T": 70, "H": 96, "E": 256}, 3)
+    check(big, m.run(*big, config={"TC_GEMM": 1, "BLOCK_T": 32, "BLOCK_E": 64, "BLOCK_K": 32,
+                                    "SPLIT_K": 2}))
+
+
+def test_template_tensor_core_logits_are_exact_products(tmp_path):
+    # The template's TC_GEMM tiles on dyadic inputs (every partial sum exact): the exact logits.
+    _, m, _ = _render_template(tmp_path)
+    h, w = _dyadic_inputs(21, 200, 48, 2)
+    part = torch.full((2, 21, 48), float("nan"))
+    m._router_tc_kernel[(3, 2, 1)](h, w, part, 21, 200, h.stride(0), w.stride(0), E=48,
+                                   BLOCK_T=32, BLOCK_E=16, BLOCK_K=64, K_STEPS=2, ON_GPU=False)
+    assert torch.equal(part.double().sum(0), h.double() @ w.double().T)
 
 
 @pytest.mark.slow
@@ -809,6 +826,9 @@ def test_template_and_hand_written_variants_compile_for_sm90(tmp_path):
                           str(ROOT / "kernels" / "router" / "triton_v5.py")], env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.count("ok") == 5, res.stderr[-3000:]
+    res = subprocess.run([sys.executable, "-c", _SM90_TC, str(rendered)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.count("ok") == 2, res.stderr[-3000:]
 
 
 # The fused decode kernels (FMA GEMV + atomic counter + selection), the FMA prefill tiles (a
@@ -958,3 +978,25 @@ go(m._router_select_rounds_kernel, sel + [C], dict(SPLIT=4, E=256, NG=8, TOPK_GR
                                                    TOP_K=8, SEL_T=1, ON_GPU=True, PDL=True), 1)
 '''
 
+# The template's TC_GEMM tiles: BF16 tensor-core products (wgmma, mma.sync), never TF32.
+_SM90_TC = '''
+import importlib.util, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+spec = importlib.util.spec_from_file_location("v", sys.argv[1])
+m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
+fn = m._router_tc_kernel
+types = ["*bf16", "*fp32", "*fp32", "i32", "i32", "i32", "i32"] + ["constexpr"] * 6
+for cfg, mma in ((dict(BLOCK_T=64, BLOCK_E=128, BLOCK_K=64, K_STEPS=20), "wgmma"),
+                 (dict(BLOCK_T=16, BLOCK_E=32, BLOCK_K=64, K_STEPS=4), "mma.sync")):
+    k = triton.compile(ASTSource(fn, dict(zip(fn.arg_names, types)),
+                                 {"E": 256, "ON_GPU": True, **cfg}),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    ptx = k.asm["ptx"]
+    assert ".target sm_90" in ptx and "tf32" not in ptx
+    ops = set(re.findall(r"\\b(?:wgmma\\.mma_async|mma\\.sync)[.\\w]*", ptx))
+    assert ops and all(".f32.bf16.bf16" in op for op in ops), ops
+    assert any(op.startswith(mma) for op in ops), (mma, ops)
+    print("ok")
+'''

@@ -204,7 +204,10 @@ CATALOG: dict[str, tuple[TemplateSpec, ...]] = {
         "the reference's ~22 kernels (FP32 GEMM, sigmoid, bias, group top-2, group top-k, "
         "masked top-k, gather, renorm) become a split-K GEMV that streams the 5.2 MB FP32 "
         "weight over all SMs and one selection pass (fused into the last GEMV program at "
-        "decode); the split, tiles and warps are tuned per token bucket.",
+        "decode); from a few dozen tokens the logits may come from BF16 tensor cores on the "
+        "FP32 weight split exactly into three BF16 terms (TC_GEMM: exact products, FP32 sums) "
+        "instead of FP32 FMAs or cuBLAS; the split, tiles, GEMM and warps are tuned per token "
+        "bucket.",
         "within 2x of the weight-read floor at T <= 8 in one kernel; two kernels above"),),
 }
 

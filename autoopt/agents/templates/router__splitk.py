@@ -7,12 +7,15 @@ Formula (the router contract): logits = f32(h) @ W^T (FP32, no TF32); s = 1/(1+e
 of c per group; keep topk_group groups; ids = top_k of c there, descending (ties: lower expert);
 w = s[ids] / (sum + 1e-20), the sum in torch's CUDA order ((w0+w4)+(w2+w6))+((w1+w5)+(w3+w7)).
 Tuned per token bucket: how the 5.2 MB FP32 weight is split over the SMs (BLOCK_E experts x
-SPLIT_K slices of H, BLOCK_K per step, BLOCK_T tokens per program; FP32 FMAs, never tl.dot),
-whether the last GEMV program selects for every token (FUSE: one kernel, decode) or a second
-kernel does (SEL_T tokens per program), the warps of each, and whether the logits come from the
-reference's own cuBLAS GEMM instead (LIB_GEMM: prefill, bitwise the reference's logits). The
-split changes the GEMV's FP32 summation order only, which the op's policy allows (a few FP32
-ulps); the selection (in registers) and the renorm are the same in every config.
+SPLIT_K slices of H, BLOCK_K per step, BLOCK_T tokens per program; FP32 FMAs), whether the last
+GEMV program selects for every token (FUSE: one kernel, decode) or a second kernel does (SEL_T
+tokens per program), the warps of each, and where the logits come from instead: the reference's
+own cuBLAS GEMM (LIB_GEMM, bitwise the reference's logits), or BF16 tensor cores (TC_GEMM: each
+FP32 weight tile split in registers into three BF16 terms that sum to it exactly; with BF16 h
+every product is exact in FP32, so only the summation order differs; never TF32, which rounds
+the weight). The split changes the GEMM's FP32 summation order only, which the op's policy
+allows (a few FP32 ulps); the selection (in registers) and the renorm are the same in every
+config.
 Memory traffic: read 4*E*H + 2*T*H + 4*E; FP32 partials 8*SPLIT_K*T*E (L2); write 12*T*top_k.
 """
 
@@ -25,17 +28,19 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 # Meta-parameters only: every config computes the same selection on FP32 logits whose
-# summation order depends on SPLIT_K/BLOCK_K/LIB_GEMM (within the policy), never on warps.
+# summation order depends on SPLIT_K/BLOCK_K/LIB_GEMM/TC_GEMM (within the policy), never on
+# warps. With TC_GEMM the tiles are at least 16 a side (tl.dot's minimum).
 CONFIG_SPACE = {
-    "BLOCK_E": [2, 4, 8, 16, 32],
+    "BLOCK_E": [2, 4, 8, 16, 32, 64, 128],
     "BLOCK_K": [32, 64, 128, 256, 512],
     "SPLIT_K": [1, 2, 4, 5, 10, 20, 40],
-    "BLOCK_T": [1, 2, 4, 8, 16],
+    "BLOCK_T": [1, 2, 4, 8, 16, 32, 64],
     "FUSE": [0, 1],
     "SEL_T": [1, 2, 4, 8],
     "num_warps": [1, 2, 4, 8],
     "SEL_WARPS": [1, 2, 4, 8],
     "LIB_GEMM": [0, 1],
+    "TC_GEMM": [0, 1],
 }
 # Empty: each token bucket keeps `default_config(T)` until the tuner sets its keys.
 DEFAULT_CONFIG: dict = {}
@@ -186,6 +191,52 @@ def _router_gemv_kernel(h_ptr, wt_ptr, part_ptr, bias_ptr, w_out_ptr, id_out_ptr
 
 
 @triton.jit
+def _split3(w):
+    # w = w1 + w2 + w3 exactly, each a BF16 value held in FP32: clearing the low 16 bits keeps
+    # the top 8 significant bits (w - w1 is exact: its bits are w's lower ones), twice.
+    w1 = (w.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+    r = w - w1
+    w2 = (r.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+    return w1, w2, r - w2
+
+
+@triton.jit
+def _tc_dot(x, w, acc, ON_GPU: tl.constexpr):
+    # acc + x @ w^T on BF16 tensor cores (w one BF16-exact term held in FP32). The interpreter
+    # misreads BF16 tl.dot operands; FP32 ones hold the same values and give the same products.
+    if ON_GPU:
+        return tl.dot(x, tl.trans(w.to(tl.bfloat16)), acc)
+    else:
+        return tl.dot(_bf16_to_f32(x), tl.trans(w), acc, input_precision="ieee")
+
+
+@triton.jit
+def _router_tc_kernel(h_ptr, wt_ptr, part_ptr, T, H, stride_h, stride_w, E: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                      K_STEPS: tl.constexpr, ON_GPU: tl.constexpr):
+    # Tokens x experts tiles, a K slice per program: each FP32 weight tile split into three BF16
+    # terms, each times the BF16 activations, the smallest first; partials in split order.
+    pe, pk, pt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    toks = pt * BLOCK_T + tl.arange(0, BLOCK_T)
+    exps = pe * BLOCK_E + tl.arange(0, BLOCK_E)
+    h_rows = h_ptr + toks.to(tl.int64)[:, None] * stride_h
+    w_rows = wt_ptr + exps.to(tl.int64)[:, None] * stride_w
+    tmask = (toks < T)[:, None]
+    emask = (exps < E)[:, None]
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for i in range(K_STEPS):
+        ks = pk * (K_STEPS * BLOCK_K) + i * BLOCK_K + tl.arange(0, BLOCK_K)
+        km = (ks < H)[None, :]
+        x = tl.load(h_rows + ks[None, :], mask=tmask & km, other=0.0)
+        w1, w2, w3 = _split3(tl.load(w_rows + ks[None, :], mask=emask & km, other=0.0))
+        acc = _tc_dot(x, w3, acc, ON_GPU)
+        acc = _tc_dot(x, w2, acc, ON_GPU)
+        acc = _tc_dot(x, w1, acc, ON_GPU)
+    part = part_ptr + pk * T * E + toks.to(tl.int64)[:, None] * E + exps[None, :]
+    tl.store(part, acc, mask=tmask & (exps < E)[None, :])
+
+
+@triton.jit
 def _router_select_kernel(part_ptr, bias_ptr, w_out_ptr, id_out_ptr, T, SPLIT: tl.constexpr,
                           E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr,
                           TOP_K: tl.constexpr, SEL_T: tl.constexpr, ON_GPU: tl.constexpr):
@@ -281,8 +332,20 @@ def router_fwd(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_grou
         return w_out, id_out
     meta = dict(E=e, NG=n_group, TOPK_GROUP=topk_group, TOP_K=top_k, ON_GPU=h.is_cuda)
     sel_t = min(int(cfg["SEL_T"]), triton.next_power_of_2(t))
-    if int(cfg.get("LIB_GEMM", 0)) or t > FMA_TILES_MAX_T:
+    tc = int(cfg.get("TC_GEMM", 0)) and h.dtype == torch.bfloat16  # exact only for BF16 h
+    if int(cfg.get("LIB_GEMM", 0)) or (t > FMA_TILES_MAX_T and not tc):
         part, split = _lib_logits(h, weight), 1
+    elif tc:
+        block_t, block_e = max(16, int(cfg["BLOCK_T"])), max(16, min(int(cfg["BLOCK_E"]), e))
+        block_k = int(cfg["BLOCK_K"])
+        split = max(1, min(int(cfg["SPLIT_K"]), triton.cdiv(hid, block_k)))
+        k_steps = triton.cdiv(triton.cdiv(hid, split), block_k)
+        split = triton.cdiv(hid, k_steps * block_k)  # no empty K slice
+        part = torch.empty((split, t, e), dtype=torch.float32, device=h.device)
+        _router_tc_kernel[(triton.cdiv(e, block_e), split, triton.cdiv(t, block_t))](
+            h, weight, part, t, hid, h.stride(0), weight.stride(0), E=e, BLOCK_T=block_t,
+            BLOCK_E=block_e, BLOCK_K=block_k, K_STEPS=k_steps, ON_GPU=h.is_cuda,
+            num_warps=int(cfg["num_warps"]))
     else:
         block_t, block_k = int(cfg["BLOCK_T"]), int(cfg["BLOCK_K"])
         block_e = min(int(cfg["BLOCK_E"]), e)
