@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -716,6 +717,22 @@ def test_gpu_v5_tensor_core_logits_are_exact_products(v5, cfg):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [32, 2048])
+def test_gpu_v5_logits_are_unbiased(v5, t):
+    # Tensor cores need not round their FP32 sums to nearest; each K step's sum is added to the
+    # total in FP32 on the CUDA cores so that their rounding cannot pile up across K
+    # (benchmarks/router_tc_rounding.py: one accumulator would fail the policy). Measured against
+    # the FP64 logits in ulps of the sum of |products|, toward each logit's sign.
+    h, w = _gpu_args(t, 6)[:2]
+    got = _v5_logits(v5, h, w, v5.default_config(t), device="cuda").cpu()
+    hd, wd = h.double().cpu(), w.double().cpu()
+    exact, scale = hd @ wd.T, hd.abs() @ wd.abs().T
+    ulp = torch.from_numpy(np.spacing(scale.float().numpy())).double()
+    err = (got - exact) / ulp * exact.sign()
+    assert err.abs().max() < 4 and abs(err.mean()) < 0.25, (err.mean(), err.abs().max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [32, 2048])
 def test_gpu_v5_pdl_under_graphs_is_bitwise_without_pdl(v5, t):
     # The three-term tiles and the selection under a CUDA graph with PDL: the same bits as
     # launched plainly without it.
@@ -965,6 +982,10 @@ def go(fn, types, cx, nw=4, mma=None):
         ops = set(re.findall(r"\\b(?:wgmma\\.mma_async|mma\\.sync)[.\\w]*", ptx))
         assert ops and all(".f32.bf16.bf16" in op for op in ops), ops
         assert any(op.startswith(mma) for op in ops), (mma, ops)
+        # Each K step's three products start from zero and are added to the total in FP32.
+        ttg = k.asm["ttgir"]
+        accs = re.findall(r"(?:tt\\.dot|ttng\\.warp_group_dot) %\\S+, %\\S+, (%[\\w#]+)", ttg)
+        assert len(accs) == 3 and accs[0].startswith("%cst") and "arith.addf" in ttg, accs
     print("ok")
 gemm = [P, F, F, N, N, N, N] + [C] * 7
 for cfg, mma in ((dict(BLOCK_T=64, BLOCK_E=128, BLOCK_K=64, K_STEPS=20, PDL=True), "wgmma"),
@@ -998,5 +1019,8 @@ for cfg, mma in ((dict(BLOCK_T=64, BLOCK_E=128, BLOCK_K=64, K_STEPS=20), "wgmma"
     ops = set(re.findall(r"\\b(?:wgmma\\.mma_async|mma\\.sync)[.\\w]*", ptx))
     assert ops and all(".f32.bf16.bf16" in op for op in ops), ops
     assert any(op.startswith(mma) for op in ops), (mma, ops)
+    ttg = k.asm["ttgir"]
+    accs = re.findall(r"(?:tt\\.dot|ttng\\.warp_group_dot) %\\S+, %\\S+, (%[\\w#]+)", ttg)
+    assert len(accs) == 3 and accs[0].startswith("%cst") and "arith.addf" in ttg, accs
     print("ok")
 '''

@@ -10,9 +10,13 @@ activations are BF16, so the FP32 products need no FP32 multiplier:
     w2 the same of w - w1; w3 = w - w1 - w2, at most 8 significant bits left). Exact for every
     |w| >= 2**-100 (a term that leaves FP32's normal range loses bits below that);
   - h (BF16) times each term is a BF16 x BF16 product, exact in FP32 (16 significant bits);
-    tensor cores (`tl.dot` on BF16 operands, FP32 accumulation) sum them, smallest terms first,
-    into one FP32 accumulator per tile: the logits are exact FP32 products summed in FP32 in
-    another order than cuBLAS's, which the op's policy allows (as every GEMV here);
+    tensor cores (`tl.dot` on BF16 operands, FP32 accumulation) sum each K step's products of
+    the three terms, smallest first, from zero, and that sum is added to the tile's total in
+    FP32 on the CUDA cores. Tensor cores need not round their sums to nearest (measured ones
+    truncate toward zero); through one accumulator over all of K that bias reaches 70-90 ulps
+    of the weights in an emulation (`benchmarks/router_tc_rounding.py`), a fresh sum each step
+    keeps them within 5, as round-to-nearest sums do. The logits are exact products summed in
+    FP32 in another order than cuBLAS's, which the op's policy allows (as every GEMV here);
   - three BF16 tensor-core products a FLOP run at a third of the BF16 rate, several times the
     FP32 FMA rate on Hopper; the weight is read once as FP32 (no second copy in memory), h once
     per expert tile. Two kernels at every T: the GEMM's split-K partials, then the selection.
@@ -258,9 +262,12 @@ def _router_bf16x3_kernel(h_ptr, wt_ptr, part_ptr, T, H, stride_h, stride_w,
         km = (ks < H)[None, :]
         x = tl.load(h_rows + ks[None, :], mask=tmask & km, other=0.0)  # BF16
         w1, w2, w3 = _split3(tl.load(w_rows + ks[None, :], mask=emask & km, other=0.0))
-        acc = _mma(x, w3, acc, ON_GPU)
-        acc = _mma(x, w2, acc, ON_GPU)
-        acc = _mma(x, w1, acc, ON_GPU)
+        # A fresh tensor-core sum each K step, added to the total on the CUDA cores (FP32, round
+        # to nearest): tensor cores need not round their FP32 sums to nearest (measured ones
+        # truncate), and one accumulator through all of K would carry that bias to the logits.
+        p = _mma(x, w3, tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32), ON_GPU)
+        p = _mma(x, w2, p, ON_GPU)
+        acc += _mma(x, w1, p, ON_GPU)
     part = part_ptr + pk * T * E + toks.to(tl.int64)[:, None] * E + exps[None, :]
     tl.store(part, acc, mask=tmask & (exps < E)[None, :])
 

@@ -12,10 +12,10 @@ GEMV program selects for every token (FUSE: one kernel, decode) or a second kern
 tokens per program), the warps of each, and where the logits come from instead: the reference's
 own cuBLAS GEMM (LIB_GEMM, bitwise the reference's logits), or BF16 tensor cores (TC_GEMM: each
 FP32 weight tile split in registers into three BF16 terms that sum to it exactly; with BF16 h
-every product is exact in FP32, so only the summation order differs; never TF32, which rounds
-the weight). The split changes the GEMM's FP32 summation order only, which the op's policy
-allows (a few FP32 ulps); the selection (in registers) and the renorm are the same in every
-config.
+every product is exact in FP32, and each K step's tensor-core sum is added to the total in FP32
+on the CUDA cores, so only the summation order differs; never TF32, which rounds the weight).
+The split changes the GEMM's FP32 summation order only, which the op's policy allows (a few
+FP32 ulps); the selection (in registers) and the renorm are the same in every config.
 Memory traffic: read 4*E*H + 2*T*H + 4*E; FP32 partials 8*SPLIT_K*T*E (L2); write 12*T*top_k.
 """
 
@@ -229,9 +229,12 @@ def _router_tc_kernel(h_ptr, wt_ptr, part_ptr, T, H, stride_h, stride_w, E: tl.c
         km = (ks < H)[None, :]
         x = tl.load(h_rows + ks[None, :], mask=tmask & km, other=0.0)
         w1, w2, w3 = _split3(tl.load(w_rows + ks[None, :], mask=emask & km, other=0.0))
-        acc = _tc_dot(x, w3, acc, ON_GPU)
-        acc = _tc_dot(x, w2, acc, ON_GPU)
-        acc = _tc_dot(x, w1, acc, ON_GPU)
+        # A fresh tensor-core sum each K step, added to the total on the CUDA cores (FP32, round
+        # to nearest): tensor cores need not round their FP32 sums to nearest (measured ones
+        # truncate), and one accumulator through all of K would carry that bias to the logits.
+        p = _tc_dot(x, w3, tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32), ON_GPU)
+        p = _tc_dot(x, w2, p, ON_GPU)
+        acc += _tc_dot(x, w1, p, ON_GPU)
     part = part_ptr + pk * T * E + toks.to(tl.int64)[:, None] * E + exps[None, :]
     tl.store(part, acc, mask=tmask & (exps < E)[None, :])
 
