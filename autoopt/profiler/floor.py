@@ -7,7 +7,8 @@ writes (decode: every sequence's keys in every layer, a window of them in slidin
 the new token's K/V; prefill: the prompts' K/V written and read once). FLOPs: the op contracts'
 and the GEMM regions' FLOPs. floor = max(bytes / bandwidth, FLOPs / BF16 rate), the router's
 FP32 GEMM at the higher of the FP32 FMA rate and a third of the BF16 rate (exact three-term BF16
-products: model/ops/_contract.py `fp32_gemm_flops_s`). Activations are not counted (small next to weights at decode).
+products: model/ops/_contract.py `fp32_gemm_flops_s`). Activations are not counted (small next
+to weights at decode).
 """
 
 from __future__ import annotations
