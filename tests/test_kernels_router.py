@@ -792,15 +792,15 @@ def test_template_renders_and_tuned_configs_stay_in_policy(tmp_path):
     ref = C.reference(*args)
     for cfg in ({}, {"FUSE": 1, "SPLIT_K": 5, "BLOCK_T": 16, "BLOCK_E": 32, "BLOCK_K": 64},
                 {"FUSE": 0, "SPLIT_K": 40, "BLOCK_K": 32, "SEL_T": 8, "SEL_WARPS": 4},
-                {"TC_GEMM": 1, "BLOCK_T": 1, "BLOCK_E": 2, "BLOCK_K": 64, "SPLIT_K": 2},
-                {"TC_GEMM": 1, "BLOCK_T": 64, "BLOCK_E": 128, "BLOCK_K": 128, "SPLIT_K": 1,
-                 "SEL_T": 4}):
+                {"TC_GEMM": 1, "BLOCK_K": 64, "SPLIT_K": 2},
+                {"TC_GEMM": 1, "TC_BLOCK_T": 64, "TC_BLOCK_E": 128, "BLOCK_K": 128,
+                 "SPLIT_K": 1, "SEL_T": 4}):
         assert all(v in space[k] for k, v in cfg.items())
         check(args, m.run(*args, config=cfg), ref)
     # Past the FMA tiles' 64 tokens the tensor-core tiles still run (cuBLAS only without them).
     big = C.make_inputs({"T": 70, "H": 96, "E": 256}, 3)
-    check(big, m.run(*big, config={"TC_GEMM": 1, "BLOCK_T": 32, "BLOCK_E": 64, "BLOCK_K": 32,
-                                    "SPLIT_K": 2}))
+    check(big, m.run(*big, config={"TC_GEMM": 1, "TC_BLOCK_T": 32, "TC_BLOCK_E": 64,
+                                    "BLOCK_K": 32, "SPLIT_K": 2}))
 
 
 def test_template_tensor_core_logits_are_exact_products(tmp_path):

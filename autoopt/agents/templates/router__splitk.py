@@ -10,12 +10,13 @@ Tuned per token bucket: how the 5.2 MB FP32 weight is split over the SMs (BLOCK_
 SPLIT_K slices of H, BLOCK_K per step, BLOCK_T tokens per program; FP32 FMAs), whether the last
 GEMV program selects for every token (FUSE: one kernel, decode) or a second kernel does (SEL_T
 tokens per program), the warps of each, and where the logits come from instead: the reference's
-own cuBLAS GEMM (LIB_GEMM, bitwise the reference's logits), or BF16 tensor cores (TC_GEMM: each
-FP32 weight tile split in registers into three BF16 terms that sum to it exactly; with BF16 h
-every product is exact in FP32, and each K step's tensor-core sum is added to the total in FP32
-on the CUDA cores, so only the summation order differs; never TF32, which rounds the weight).
-The split changes the GEMM's FP32 summation order only, which the op's policy allows (a few
-FP32 ulps); the selection (in registers) and the renorm are the same in every config.
+own cuBLAS GEMM (LIB_GEMM, bitwise the reference's logits), or BF16 tensor cores (TC_GEMM, tiles
+of TC_BLOCK_T tokens x TC_BLOCK_E experts: each FP32 weight tile split in registers into three
+BF16 terms that sum to it exactly; with BF16 h every product is exact in FP32, and each K step's
+tensor-core sum is added to the total in FP32 on the CUDA cores, so only the summation order
+differs; never TF32, which rounds the weight). The split changes the GEMM's FP32 summation order
+only, which the op's policy allows (a few FP32 ulps); the selection (in registers) and the
+renorm are the same in every config.
 Memory traffic: read 4*E*H + 2*T*H + 4*E; FP32 partials 8*SPLIT_K*T*E (L2); write 12*T*top_k.
 """
 
@@ -29,18 +30,20 @@ from triton.language.extra import libdevice
 
 # Meta-parameters only: every config computes the same selection on FP32 logits whose
 # summation order depends on SPLIT_K/BLOCK_K/LIB_GEMM/TC_GEMM (within the policy), never on
-# warps. With TC_GEMM the tiles are at least 16 a side (tl.dot's minimum).
+# warps. The TC_GEMM tiles have their own sizes (tl.dot's are at least 16 a side).
 CONFIG_SPACE = {
-    "BLOCK_E": [2, 4, 8, 16, 32, 64, 128],
+    "BLOCK_E": [2, 4, 8, 16, 32],
     "BLOCK_K": [32, 64, 128, 256, 512],
     "SPLIT_K": [1, 2, 4, 5, 10, 20, 40],
-    "BLOCK_T": [1, 2, 4, 8, 16, 32, 64],
+    "BLOCK_T": [1, 2, 4, 8, 16],
     "FUSE": [0, 1],
     "SEL_T": [1, 2, 4, 8],
     "num_warps": [1, 2, 4, 8],
     "SEL_WARPS": [1, 2, 4, 8],
     "LIB_GEMM": [0, 1],
     "TC_GEMM": [0, 1],
+    "TC_BLOCK_T": [16, 32, 64],
+    "TC_BLOCK_E": [16, 32, 64, 128],
 }
 # Empty: each token bucket keeps `default_config(T)` until the tuner sets its keys.
 DEFAULT_CONFIG: dict = {}
@@ -339,7 +342,8 @@ def router_fwd(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_grou
     if int(cfg.get("LIB_GEMM", 0)) or (t > FMA_TILES_MAX_T and not tc):
         part, split = _lib_logits(h, weight), 1
     elif tc:
-        block_t, block_e = max(16, int(cfg["BLOCK_T"])), max(16, min(int(cfg["BLOCK_E"]), e))
+        block_t = int(cfg.get("TC_BLOCK_T", 16))
+        block_e = max(16, min(int(cfg.get("TC_BLOCK_E", 32)), e))
         block_k = int(cfg["BLOCK_K"])
         split = max(1, min(int(cfg["SPLIT_K"]), triton.cdiv(hid, block_k)))
         k_steps = triton.cdiv(triton.cdiv(hid, split), block_k)
