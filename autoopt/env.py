@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 # The directory above the packages: the clone in a source checkout, site-packages when installed
@@ -113,6 +114,22 @@ def ray_local_environment() -> dict[str, str]:
     """Environment for a Ray cluster started on this machine for one run (set before `ray` is
     imported): every Ray server bound to loopback (Ray's single-machine mode), no usage stats."""
     return {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+AF_UNIX_PATH_MAX = 107  # bytes of a Unix socket path on Linux (sun_path, less its NUL)
+
+
+def socket_safe_tmpdir(suffix_len: int) -> str | None:
+    """A new temp dir under /tmp for a server that puts Unix sockets `suffix_len` characters below
+    its temp dir (Ray's session, Chromium's singleton), or None when the default temp dir is short
+    enough. Under a long TMPDIR such servers fail to start ("socket path too long"); None too
+    where /tmp cannot take a directory, and the server's own error then says why."""
+    if len(tempfile.gettempdir()) + suffix_len <= AF_UNIX_PATH_MAX:
+        return None
+    try:
+        return tempfile.mkdtemp(prefix="autoopt-", dir="/tmp")
+    except OSError:
+        return None
 
 
 def ncu_path() -> str | None:

@@ -312,3 +312,23 @@ def test_a_proposal_with_a_config_per_bucket_is_verified_once_as_served(monkeypa
                   configs=(a, b, {"ROWS": 9}), per_bucket={"T=1": a, "T=8": b})
     job.run("cpu")
     assert seen == [a, b, {"ROWS": 9}]
+
+
+def test_servers_with_unix_sockets_get_a_short_temp_dir_under_a_long_tmpdir(monkeypatch):
+    # Ray's session sockets and Chromium's singleton lie tens of characters below the temp dir;
+    # past 107 bytes a Unix socket cannot be made and they abort at start.
+    import shutil
+    import tempfile
+
+    from autoopt import env
+    from autoopt.farm.ray_farm import RAY_SOCKET_SUFFIX
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: "/tmp")
+    assert env.socket_safe_tmpdir(RAY_SOCKET_SUFFIX) is None
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: "/tmp/" + "x" * 60)
+    short = env.socket_safe_tmpdir(RAY_SOCKET_SUFFIX)
+    try:
+        assert short and Path(short).is_dir() and short.startswith("/tmp/")
+        assert len(short) + RAY_SOCKET_SUFFIX <= env.AF_UNIX_PATH_MAX
+    finally:
+        shutil.rmtree(short, ignore_errors=True)

@@ -6,10 +6,13 @@ plus one judged candidate (tests/review_web_support.py). CI installs chromium wi
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 from pathlib import Path
 
 import pytest
 
+from autoopt import env
 from autoopt.review_web import Runs, prepare
 from autoopt.review_web.server import in_thread
 from model.registry import writers
@@ -42,10 +45,16 @@ pytestmark = [
 def browser():
     from playwright.sync_api import sync_playwright
 
+    # Chromium's singleton socket lies ~45 characters below TMPDIR; a long TMPDIR would pass
+    # the socket path limit and Chromium would abort at launch.
+    short = env.socket_safe_tmpdir(48)
+    launch_env = {**os.environ, "TMPDIR": short} if short else None
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, env=launch_env)
         yield b
         b.close()
+    if short:
+        shutil.rmtree(short, ignore_errors=True)
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ import the same autoopt as the head (`pip install autoopt[farm]` on every node).
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from concurrent.futures import Future
 from typing import Any
@@ -21,6 +22,8 @@ from typing import Any
 from .jobs import Job, execute
 
 LOCAL = "local"
+# Characters from Ray's temp dir to its longest socket path, with room for a 7-digit pid.
+RAY_SOCKET_SUFFIX = len("/session_2026-01-01_00-00-00_000000_1234567/sockets/plasma_store") + 4
 
 
 def _remote_run(job: Job, gpu: bool) -> dict:
@@ -63,7 +66,13 @@ class RayFarm:
             raise RuntimeError("Ray is already initialised in this process; one farm at a time")
         kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
                               "configure_logging": False}
+        self._temp_dir = None
         if self.started:
+            # A session's sockets lie ~70 characters below Ray's temp dir (<dir>/ray/session_<time>
+            # _<pid>/sockets/plasma_store): under a long TMPDIR they would pass the socket limit.
+            self._temp_dir = env.socket_safe_tmpdir(RAY_SOCKET_SUFFIX)
+            if self._temp_dir:
+                kw["_temp_dir"] = self._temp_dir
             ray.init(num_cpus=num_cpus or 2, num_gpus=num_gpus,
                      object_store_memory=128 << 20, **kw)
         else:
@@ -88,6 +97,9 @@ class RayFarm:
     def close(self) -> None:
         if self._ray_ready():
             self._ray.shutdown()
+        if getattr(self, "_temp_dir", None):
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+            self._temp_dir = None
 
     def _ray_ready(self) -> bool:
         return getattr(self, "_ray", None) is not None and self._ray.is_initialized()
