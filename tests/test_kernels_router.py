@@ -839,13 +839,11 @@ def test_template_and_hand_written_variants_compile_for_sm90(tmp_path):
                           str(ROOT / "kernels" / "router" / "triton_v4.py")], env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.count("ok") == 7, res.stderr[-3000:]
-    res = subprocess.run([sys.executable, "-c", _SM90_V5,
-                          str(ROOT / "kernels" / "router" / "triton_v5.py")], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and res.stdout.count("ok") == 5, res.stderr[-3000:]
-    res = subprocess.run([sys.executable, "-c", _SM90_TC, str(rendered)], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and res.stdout.count("ok") == 2, res.stderr[-3000:]
+    for path, which, n in ((ROOT / "kernels" / "router" / "triton_v5.py", "v5", 5),
+                           (rendered, "template", 2)):
+        res = subprocess.run([sys.executable, "-c", _SM90_TC, str(path), which], env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0 and res.stdout.count("ok") == n, res.stderr[-3000:]
 
 
 # The fused decode kernels (FMA GEMV + atomic counter + selection), the FMA prefill tiles (a
@@ -960,10 +958,11 @@ go(m._router_select_rounds_kernel, sel + [C], dict(SPLIT=1, E=256, NG=8, TOPK_GR
                                                    TOP_K=8, SEL_T=1, ON_GPU=True, PDL=True), 1)
 '''
 
-# triton_v5: the three-term tiles compile to BF16 tensor-core products with FP32 accumulation
-# (wgmma at 64-row tiles on 4 warps, mma.sync below), never TF32; its selection kernels are
-# triton_v4's.
-_SM90_V5 = '''
+# The three-term tiles (triton_v5's and the template's TC_GEMM) compile to BF16 tensor-core
+# products with FP32 accumulation (wgmma at 64-row tiles on 4 warps, mma.sync below), never TF32,
+# each K step's three products from zero and added to the total in FP32; triton_v5's selection
+# kernels are triton_v4's. argv: the file, then "v5" or "template".
+_SM90_TC = '''
 import importlib.util, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
@@ -976,17 +975,22 @@ def go(fn, types, cx, nw=4, mma=None):
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=nw, num_stages=3))
     ptx = k.asm["ptx"]
     assert ".target sm_90" in ptx
-    assert ("griddepcontrol.wait" in ptx) == bool(cx["PDL"]), cx
+    assert ("griddepcontrol.wait" in ptx) == bool(cx.get("PDL")), cx
     assert "tf32" not in ptx, "TF32 rounds the weight: not the router's FP32 products"
     if mma:
         ops = set(re.findall(r"\\b(?:wgmma\\.mma_async|mma\\.sync)[.\\w]*", ptx))
         assert ops and all(".f32.bf16.bf16" in op for op in ops), ops
         assert any(op.startswith(mma) for op in ops), (mma, ops)
-        # Each K step's three products start from zero and are added to the total in FP32.
         ttg = k.asm["ttgir"]
         accs = re.findall(r"(?:tt\\.dot|ttng\\.warp_group_dot) %\\S+, %\\S+, (%[\\w#]+)", ttg)
         assert len(accs) == 3 and accs[0].startswith("%cst") and "arith.addf" in ttg, accs
     print("ok")
+if sys.argv[2] == "template":
+    for cfg, mma in ((dict(BLOCK_T=64, BLOCK_E=128, BLOCK_K=64, K_STEPS=20), "wgmma"),
+                     (dict(BLOCK_T=16, BLOCK_E=32, BLOCK_K=64, K_STEPS=4), "mma.sync")):
+        go(m._router_tc_kernel, [P, F, F, N, N, N, N] + [C] * 6, {"E": 256, "ON_GPU": True, **cfg},
+           mma=mma)
+    sys.exit(0)
 gemm = [P, F, F, N, N, N, N] + [C] * 7
 for cfg, mma in ((dict(BLOCK_T=64, BLOCK_E=128, BLOCK_K=64, K_STEPS=20, PDL=True), "wgmma"),
                  (dict(BLOCK_T=32, BLOCK_E=32, BLOCK_K=64, K_STEPS=4, PDL=False), "mma.sync"),
@@ -997,30 +1001,4 @@ go(m._router_select_topk_kernel, sel, dict(SPLIT=20, E=256, NG=8, TOPK_GROUP=4, 
                                            ON_GPU=True, PDL=True), 8)
 go(m._router_select_rounds_kernel, sel + [C], dict(SPLIT=4, E=256, NG=8, TOPK_GROUP=4,
                                                    TOP_K=8, SEL_T=1, ON_GPU=True, PDL=True), 1)
-'''
-
-# The template's TC_GEMM tiles: BF16 tensor-core products (wgmma, mma.sync), never TF32.
-_SM90_TC = '''
-import importlib.util, re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-spec = importlib.util.spec_from_file_location("v", sys.argv[1])
-m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
-fn = m._router_tc_kernel
-types = ["*bf16", "*fp32", "*fp32", "i32", "i32", "i32", "i32"] + ["constexpr"] * 6
-for cfg, mma in ((dict(BLOCK_T=64, BLOCK_E=128, BLOCK_K=64, K_STEPS=20), "wgmma"),
-                 (dict(BLOCK_T=16, BLOCK_E=32, BLOCK_K=64, K_STEPS=4), "mma.sync")):
-    k = triton.compile(ASTSource(fn, dict(zip(fn.arg_names, types)),
-                                 {"E": 256, "ON_GPU": True, **cfg}),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    ptx = k.asm["ptx"]
-    assert ".target sm_90" in ptx and "tf32" not in ptx
-    ops = set(re.findall(r"\\b(?:wgmma\\.mma_async|mma\\.sync)[.\\w]*", ptx))
-    assert ops and all(".f32.bf16.bf16" in op for op in ops), ops
-    assert any(op.startswith(mma) for op in ops), (mma, ops)
-    ttg = k.asm["ttgir"]
-    accs = re.findall(r"(?:tt\\.dot|ttng\\.warp_group_dot) %\\S+, %\\S+, (%[\\w#]+)", ttg)
-    assert len(accs) == 3 and accs[0].startswith("%cst") and "arith.addf" in ttg, accs
-    print("ok")
 '''

@@ -187,24 +187,39 @@ def _router_gemv_kernel(h_ptr, wt_ptr, part_ptr, T, H, stride_h, stride_w,
 
 
 @triton.jit
+def _tile_start(h_ptr, T, stride_h, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, PDL: tl.constexpr):
+    # A tokens x experts tile's K slice (the GEMMs' shared prologue): its indices, the token rows
+    # of h, their mask and a zero accumulator; under PDL, released and waiting for h.
+    pe, pk, pt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    toks = pt * BLOCK_T + tl.arange(0, BLOCK_T)
+    exps = pe * BLOCK_E + tl.arange(0, BLOCK_E)
+    h_rows = h_ptr + toks.to(tl.int64)[:, None] * stride_h
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    return pk, toks, exps, pk * (K_STEPS * BLOCK_K), h_rows, (toks < T)[:, None], acc
+
+
+@triton.jit
+def _store_tile(part_ptr, acc, pk, T, toks, exps, tmask, E: tl.constexpr):
+    # The tile's partial logits, at split pk's [T, E] slice (summed in split order later).
+    part = part_ptr + pk * T * E + toks.to(tl.int64)[:, None] * E + exps[None, :]
+    tl.store(part, acc, mask=tmask & (exps < E)[None, :])
+
+
+@triton.jit
 def _router_dot_kernel(h_ptr, wt_ptr, part_ptr, T, H, stride_h, stride_w,
                        E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                        BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, H_BF16: tl.constexpr,
                        PDL: tl.constexpr):
     # Tokens x experts tiles of FP32 FMAs (`tl.dot`, IEEE: no TF32), a K slice per program; the
     # partials in split order as the GEMV's.
-    pe, pk, pt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    toks = pt * BLOCK_T + tl.arange(0, BLOCK_T)
-    exps = pe * BLOCK_E + tl.arange(0, BLOCK_E)
-    k_base = pk * (K_STEPS * BLOCK_K)
-    h_rows = h_ptr + toks.to(tl.int64)[:, None] * stride_h
+    pk, toks, exps, k_base, h_rows, tmask, acc = _tile_start(h_ptr, T, stride_h, BLOCK_T, BLOCK_E,
+                                                             BLOCK_K, K_STEPS, PDL)
     w_cols = wt_ptr + exps.to(tl.int64)[None, :] * stride_w
-    tmask = (toks < T)[:, None]
     emask = (exps < E)[None, :]  # a 16-wide tile may pass a smaller E
-    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
     for i in range(K_STEPS):
         ks = k_base + i * BLOCK_K + tl.arange(0, BLOCK_K)
         km = ks < H
@@ -212,8 +227,7 @@ def _router_dot_kernel(h_ptr, wt_ptr, part_ptr, T, H, stride_h, stride_w,
         x = _bf16_to_f32(x) if H_BF16 else x.to(tl.float32)
         wt = tl.load(w_cols + ks[:, None], mask=km[:, None] & emask, other=0.0)  # [K, BLOCK_E]
         acc = tl.dot(x, wt, acc, input_precision="ieee")
-    part = part_ptr + pk * T * E + toks.to(tl.int64)[:, None] * E + exps[None, :]
-    tl.store(part, acc, mask=tmask & emask)
+    _store_tile(part_ptr, acc, pk, T, toks, exps, tmask, E)
 
 
 @triton.jit
@@ -245,31 +259,23 @@ def _router_bf16x3_kernel(h_ptr, wt_ptr, part_ptr, T, H, stride_h, stride_w,
     # Tokens x experts tiles on tensor cores, a K slice per program: each FP32 weight tile split
     # into three BF16 terms (`_split3`), each multiplied by the BF16 activations, the smallest
     # first; the partials in split order as the other GEMMs'.
-    pe, pk, pt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    toks = pt * BLOCK_T + tl.arange(0, BLOCK_T)
-    exps = pe * BLOCK_E + tl.arange(0, BLOCK_E)
-    k_base = pk * (K_STEPS * BLOCK_K)
-    h_rows = h_ptr + toks.to(tl.int64)[:, None] * stride_h
+    pk, toks, exps, k_base, h_rows, tmask, acc = _tile_start(h_ptr, T, stride_h, BLOCK_T, BLOCK_E,
+                                                             BLOCK_K, K_STEPS, PDL)
     w_rows = wt_ptr + exps.to(tl.int64)[:, None] * stride_w
-    tmask = (toks < T)[:, None]
     emask = (exps < E)[:, None]  # a 16-wide tile may pass a smaller E
-    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
     for i in range(K_STEPS):
         ks = k_base + i * BLOCK_K + tl.arange(0, BLOCK_K)
         km = (ks < H)[None, :]
         x = tl.load(h_rows + ks[None, :], mask=tmask & km, other=0.0)  # BF16
         w1, w2, w3 = _split3(tl.load(w_rows + ks[None, :], mask=emask & km, other=0.0))
         # A fresh tensor-core sum each K step, added to the total on the CUDA cores (FP32, round
-        # to nearest): tensor cores need not round their FP32 sums to nearest (measured ones
-        # truncate), and one accumulator through all of K would carry that bias to the logits.
+        # to nearest): tensor cores need not round their FP32 sums to nearest (V100, T4 and A100
+        # were measured to truncate), and one accumulator through all of K would carry that
+        # bias to the logits.
         p = _mma(x, w3, tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32), ON_GPU)
         p = _mma(x, w2, p, ON_GPU)
         acc += _mma(x, w1, p, ON_GPU)
-    part = part_ptr + pk * T * E + toks.to(tl.int64)[:, None] * E + exps[None, :]
-    tl.store(part, acc, mask=tmask & (exps < E)[None, :])
+    _store_tile(part_ptr, acc, pk, T, toks, exps, tmask, E)
 
 
 @triton.jit
