@@ -528,6 +528,7 @@ def _one_op(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState, op
 
     evaluator = HarnessEvaluator(ctx, task, device, task.shapes, record, deadline=deadline,
                                  hard_deadline=end, farm=farm, ledger=ledger)
+    evaluator.resume_pending()  # what an interrupted run proposed and never judged, first
     n = args.sessions
     limits = Limits(max_candidates=args.max_candidates, deadline=deadline,
                     op_candidates=args.max_candidates * n, eval_s=eval_s)

@@ -42,8 +42,11 @@ from typing import Any
 
 from autoopt.agents.base import Attempt, Feedback, OptimizationTask, Proposal
 from autoopt.farm.jobs import CheckJob, EvalJob, ProfileJob, TuneJob, bucket
+from autoopt.runlog import say
 
 MIN_GAIN = 0.02  # 2%: below this a "win" is not worth a new variant even with tight timings
+PENDING = ".pending.json"  # beside a candidate whose evaluation is not yet recorded
+MAX_RESUMES = 1  # a pending evaluation is tried again this many times after interruptions
 DEADLINE_GRACE_S = 15.0
 _SLUG = re.compile(r"[^A-Za-z0-9_]+")
 
@@ -116,13 +119,19 @@ class HarnessEvaluator:
             self._issued = max(self._issued, index)
             return index
 
-    def evaluate(self, proposal: Proposal, index: int | None = None) -> Feedback:
+    def evaluate(self, proposal: Proposal, index: int | None = None, *,
+                 resumes: int = 0) -> Feedback:
+        """Verify (and on a GPU time) one proposal, record its attempt, register a winner. Until
+        it is recorded the proposal stays on disk as pending (`resume_pending`)."""
         index = self._index(index)
         stem = f"a{index:02d}_{slug(proposal.name_hint)}"
         cand_dir = self.op_dir / "candidates"
         cand_dir.mkdir(parents=True, exist_ok=True)
         path = cand_dir / f"{stem}.py"
         path.write_text(proposal.source)
+        pending = cand_dir / f"{stem}{PENDING}"
+        _write_json(pending, {"index": index, "candidate": stem, "resumes": resumes,
+                              "proposal": proposal.to_dict()})
         sha = self.ctx.registry.sha256(path)
         agent = str(proposal.meta.get("agent", ""))
         timings: tuple[dict, ...] = ()
@@ -156,7 +165,56 @@ class HarnessEvaluator:
                           speedup=speedup, meaningful=self.ctx.meaningful, outcome=outcome,
                           agent=agent, notes=proposal.notes)
         self.record(self.task.op, attempt, {**proposal.to_dict(), "file": str(path)})
+        pending.unlink(missing_ok=True)
         return Feedback(attempt, detail)
+
+    def resume_pending(self) -> list[Feedback]:
+        """Evaluate the proposals an interrupted run left unjudged (its evaluation in flight when
+        the process was killed), with their numbers, before any agent proposes again: the agent's
+        work (a model's tokens, a template's tuning) is not lost with the evaluation. One
+        interrupted again is recorded as an error and not tried a third time: it may be what
+        brings the run down."""
+        out = []
+        for path in sorted((self.op_dir / "candidates").glob(f"*{PENDING}"), key=_number):
+            try:
+                entry = json.loads(path.read_text())
+                index, stem = int(entry["index"]), str(entry["candidate"])
+                resumes, fields = int(entry.get("resumes", 0)), dict(entry["proposal"])
+                source = (path.parent / f"{stem}.py").read_text()
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                say(f"  {self.task.op}: {path.name} is unreadable ({type(e).__name__}: {e}); "
+                    "its proposal is not evaluated")
+                path.unlink(missing_ok=True)
+                continue
+            if any(a.index == index for a in self.task.attempts):
+                path.unlink(missing_ok=True)  # recorded just before the interruption
+                continue
+            # Never trusted from a file: in-process timing is for the templates' own tuning,
+            # which is over; the sandboxed evaluation needs no trust.
+            fields = {k: v for k, v in fields.items()
+                      if k in Proposal.__dataclass_fields__ and k not in ("source", "trusted")}
+            proposal = Proposal(source=source, **fields)
+            if resumes >= MAX_RESUMES:
+                fb = self._interrupted(proposal, index, stem, path.parent / f"{stem}.py")
+                path.unlink(missing_ok=True)
+            else:
+                say(f"  {self.task.op} #{index} {stem}: evaluating the proposal an interrupted "
+                    "run left unjudged")
+                fb = self.evaluate(proposal, index, resumes=resumes + 1)
+            self.task.add_attempt(fb.attempt)
+            out.append(fb)
+        return out
+
+    def _interrupted(self, proposal: Proposal, index: int, stem: str, path: Path) -> Feedback:
+        reason = (f"its evaluation was interrupted {MAX_RESUMES + 1} times (the run killed "
+                  "while judging it): not evaluated again")
+        attempt = Attempt(index=self._index(index), op=self.task.op, candidate=stem,
+                          sha256=self.ctx.registry.sha256(path), verdict="error",
+                          reasons=(reason,), meaningful=self.ctx.meaningful,
+                          outcome="not registered: unjudged",
+                          agent=str(proposal.meta.get("agent", "")), notes=proposal.notes)
+        self.record(self.task.op, attempt, {**proposal.to_dict(), "file": str(path)})
+        return Feedback(attempt)
 
     def language(self, proposal: Proposal) -> tuple[str, str | None]:
         """(the source's declared language, why it cannot be submitted as proposed or None)."""
@@ -358,6 +416,18 @@ def _reject_detail(reports: list[dict]) -> str:
     failed = [k for k, v in reports[-1].get("checks", {}).items()
               if isinstance(v, dict) and v.get("passed") is False]
     return f"failed checks: {', '.join(failed)}" if failed else ""
+
+
+def _number(path: Path) -> tuple[int, str]:
+    """A candidate file's attempt number (a07_name... -> 7), for ordering past a99."""
+    head = path.name.split("_", 1)[0][1:]
+    return (int(head) if head.isdigit() else 0, path.name)
+
+
+def _write_json(path: Path, data: Mapping[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, default=str))
+    tmp.replace(path)  # atomic: a kill leaves the whole file or none
 
 
 def now_iso() -> str:

@@ -1,7 +1,10 @@
 """The optimize run's checkpoint: `state.json` (rewritten atomically) and `attempts.jsonl`.
 
-Both are written after every attempt, so a crash or Ctrl-C loses at most the evaluation in
-flight, and `autoopt optimize --resume RUN_DIR` continues from the next op or proposal.
+Both are written after every attempt, and a proposal being evaluated waits beside its candidate
+file as `<candidate>.pending.json` until its attempt is recorded. A crash, a kill or Ctrl-C
+loses at most the time of the evaluation in flight: `autoopt optimize --resume RUN_DIR`
+evaluates the pending proposals first (one interrupted twice is recorded as an error instead),
+then continues from the next op or proposal.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """`autoopt optimize --target cpu-tiny` end to end on the CPU (template agent, Triton
-interpreter), interrupted after its first op and resumed, then replayed."""
+interpreter), interrupted while it evaluates its second op's proposal and resumed, then
+replayed."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from autoopt import loop
 from autoopt.cli import app
+from autoopt.loop_eval import HarnessEvaluator
 
 from .agents_support import registry_files
 
@@ -22,30 +23,33 @@ FAST = ["--target", "cpu-tiny", "--agent", "template", "--ops", ",".join(OPS),
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """An optimize run interrupted (Ctrl-C) when its second op starts, then resumed."""
+    """An optimize run interrupted (Ctrl-C) while its second op's proposal is being evaluated,
+    then resumed."""
     root = tmp_path_factory.mktemp("optimize")
     reg, runs = root / "registry", root / "runs"
     paths = ["--registry", str(reg), "--runs-dir", str(runs)]
-    real, calls = loop.run_session, []
+    real, calls = HarnessEvaluator._run, []
 
-    def ctrl_c_on_second_op(agent, task, *a, **kw):
-        calls.append(task.op)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(agent, task, *a, **kw)
+    def ctrl_c_in_second_evaluation(self, job):
+        if job.kind == "eval":
+            calls.append(job.op)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+        return real(self, job)
 
     cli = CliRunner()
     mp = pytest.MonkeyPatch()
-    mp.setattr(loop, "run_session", ctrl_c_on_second_op)
+    mp.setattr(HarnessEvaluator, "_run", ctrl_c_in_second_evaluation)
     try:
         first = cli.invoke(app, ["optimize", *FAST, *paths])
     finally:
         mp.undo()
     (run_dir,) = list(runs.iterdir())
     interrupted = json.loads((run_dir / "state.json").read_text())
+    pending = sorted(p.name for p in run_dir.glob("ops/*/candidates/*.pending.json"))
     resumed = cli.invoke(app, ["optimize", "--resume", str(run_dir)])
     return {"first": first, "interrupted": interrupted, "resumed": resumed, "dir": run_dir,
-            "registry": reg, "runs": runs, "calls": calls}
+            "registry": reg, "runs": runs, "calls": calls, "pending": pending}
 
 
 def test_interrupt_keeps_the_finished_op_and_says_how_to_resume(run):
@@ -58,6 +62,8 @@ def test_interrupt_keeps_the_finished_op_and_says_how_to_resume(run):
     other = next(op for op in OPS if op != done)
     assert by_op[done]["status"] == "done" and by_op[done]["attempts"] == 1
     assert by_op[other]["status"] == "running" and by_op[other].get("attempts", 0) == 0
+    # The proposal whose evaluation was cut waits, unjudged, beside its candidate file.
+    assert run["pending"] == ["a01_tiles.pending.json"]
 
 
 def test_resume_finishes_the_run_with_registry_e2e_and_report(run):
@@ -65,9 +71,15 @@ def test_resume_finishes_the_run_with_registry_e2e_and_report(run):
     st = json.loads((run["dir"] / "state.json").read_text())
     assert st["phase"] == "done"
     assert all(o["status"] == "done" for o in st["ops"])
-    # Each op attempted once in total: the resumed run did not redo the finished op.
+    # Each op attempted once in total: the resumed run did not redo the finished op, and it
+    # judged the interrupted op's pending proposal instead of asking the agent again.
     lines = (run["dir"] / "attempts.jsonl").read_text().splitlines()
     assert sorted(json.loads(x)["attempt"]["op"] for x in lines) == sorted(OPS)
+    other = json.loads(lines[-1])["attempt"]
+    assert other["op"] == run["calls"][1] and other["candidate"] == "a01_tiles"
+    log = (run["dir"] / "run.log").read_text()
+    assert "evaluating the proposal an interrupted run left unjudged" in log
+    assert not list(run["dir"].glob("ops/*/candidates/*.pending.json"))
     from model.registry import Registry
 
     reg = Registry(run["registry"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 
 from autoopt import loop
 from autoopt.agents import Proposal
+from autoopt.agents.base import Attempt, OptimizationTask
 from autoopt.agents.template import CATALOG
 from autoopt.loop import OptimizeArgs, parse_budget
 from autoopt.loop_eval import HarnessEvaluator, RunContext
@@ -128,6 +130,72 @@ def test_a_candidate_whose_verification_the_deadline_cut_is_unjudged(tmp_path, m
     a = ev.evaluate(_proposal()).attempt
     assert a.verdict == "error" and a.reasons == (ev.farm.unjudged,)
     assert a.outcome == "not registered: unjudged" and a.speedup is None
+
+
+def _killed_mid_evaluation(tmp_path, monkeypatch):
+    """A GPU evaluator whose process was killed while it evaluated proposal #1; then a new
+    evaluator (the resumed run's) on the same run directory and registry."""
+    ctx, ev = _gpu_evaluator(tmp_path, monkeypatch, cand_us=5.0)
+    ev.farm.fail = KeyboardInterrupt()  # what a kill or Ctrl-C leaves: nothing recorded
+    with pytest.raises(KeyboardInterrupt):
+        ev.evaluate(dataclasses.replace(_proposal(), trusted=True))
+    recorded: list = []
+    task = OptimizationTask.build("swiglu", hardware={"gpu": "test"}, shapes=ev.bench_shapes,
+                                  device="cuda:0")
+    again = HarnessEvaluator(ctx, task, "cuda:0", ev.bench_shapes, lambda *a: recorded.append(a),
+                             farm=ScriptedFarm(5.0, 0.1, True))
+    return ctx, ev, again, recorded
+
+
+def test_a_proposal_killed_in_its_evaluation_is_judged_first_on_resume(tmp_path, monkeypatch):
+    ctx, ev, again, recorded = _killed_mid_evaluation(tmp_path, monkeypatch)
+    cands = ctx.run_dir / "ops" / "swiglu" / "candidates"
+    pending = cands / "a01_tiles.pending.json"
+    assert pending.is_file() and (cands / "a01_tiles.py").is_file()
+    (fb,) = again.resume_pending()
+    a = fb.attempt
+    assert (a.index, a.candidate, a.verdict) == (1, "a01_tiles", "pass")
+    assert a.outcome.startswith("registered swiglu/template_tiles_v1")
+    assert not pending.exists() and [r[1] for r in recorded] == [a]
+    assert again.task.attempts == [a]  # the agent's sessions see it (the template skips it)
+    (job,) = again.farm.jobs  # evaluated with the configs it was proposed with
+    assert job.source == _proposal().source and job.per_bucket == _proposal().configs
+    assert recorded[0][2]["trusted"] is False  # trust is never read back from a file
+    # The next proposal gets the next number; nothing is pending any more.
+    assert again.evaluate(_proposal()).attempt.index == 2 and again.resume_pending() == []
+
+
+def test_a_proposal_interrupted_twice_is_recorded_as_an_error_not_run_again(tmp_path,
+                                                                               monkeypatch):
+    ctx, ev, again, recorded = _killed_mid_evaluation(tmp_path, monkeypatch)
+    again.farm.fail = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):  # killed again in the resumed evaluation
+        again.resume_pending()
+    third = HarnessEvaluator(ctx, again.task, "cuda:0", ev.bench_shapes,
+                             lambda *a: recorded.append(a), farm=ScriptedFarm(5.0, 0.1, True))
+    (fb,) = third.resume_pending()
+    assert fb.attempt.verdict == "error" and "interrupted 2 times" in fb.attempt.reasons[0]
+    assert third.farm.jobs == [] and ctx.registry.variants("swiglu") == []
+    assert not list((ctx.run_dir / "ops" / "swiglu" / "candidates").glob("*.pending.json"))
+
+
+def test_pending_proposals_already_recorded_or_unreadable_are_dropped(tmp_path, monkeypatch):
+    ctx, ev, again, recorded = _killed_mid_evaluation(tmp_path, monkeypatch)
+    cands = ctx.run_dir / "ops" / "swiglu" / "candidates"
+    # Recorded just before the kill: the attempt is there, its pending file was not yet removed.
+    again.task.attempts.append(Attempt(index=1, op="swiglu", candidate="a01_tiles", sha256="",
+                                       verdict="pass"))
+    (cands / "a07_x.pending.json").write_text("{not json")
+    assert again.resume_pending() == [] and again.farm.jobs == [] and recorded == []
+    assert not list(cands.glob("*.pending.json"))
+
+
+def test_an_evaluation_that_ends_leaves_nothing_pending(tmp_path, monkeypatch):
+    ctx, ev = _gpu_evaluator(tmp_path, monkeypatch, cand_us=5.0)
+    ev.farm.fail = RuntimeError("worker lost")  # a harness error is a recorded verdict
+    assert ev.evaluate(_proposal()).attempt.verdict == "error"
+    assert ev.evaluate(_proposal()).attempt.index == 2
+    assert not list((ctx.run_dir / "ops" / "swiglu" / "candidates").glob("*.pending.json"))
     assert ctx.registry.variants("swiglu") == []
 
 
