@@ -109,8 +109,8 @@ def main() -> None:
     env = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
            "torch": torch.__version__}
     best = best_configs(rows, a.variant)
-    (a.out / "results.json").write_text(json.dumps({"env": env, "rows": rows, "best": best},
-                                                   indent=1))
+    (a.out / "results.json").write_text(json.dumps({"op": a.op, "variant": a.variant, "env": env,
+                                                    "rows": rows, "best": best}, indent=1))
     if any(best.values()):
         print("to verify and propose these per bucket (on the GPU; then `autoopt registry accept`):"
               f"\n  autoopt registry tune {a.op} {a.variant} --target h200-tp8-decode --configs "

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "config_sweep_gpu.py"
 
@@ -77,6 +79,39 @@ def test_dry_run_sweeps_the_router(tmp_path):
          "--grid", '{"BLOCK_E": [4]}', "--iters", "1", "--dry-run", "--out", str(tmp_path)],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
-    timed = [r for r in rows if r["impl"] == "triton_v2"]
+    out = json.loads((tmp_path / "results.json").read_text())
+    assert (out["op"], out["variant"]) == ("router", "triton_v2")
+    timed = [r for r in out["rows"] if r["impl"] == "triton_v2"]
     assert len(timed) == 2 and all("error" not in r and r["ids_off"] == 0 for r in timed), timed
+
+
+def _best():
+    spec = importlib.util.spec_from_file_location("sweep_best", ROOT / "benchmarks"
+                                                  / "sweep_best.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_sweeps_best_configs_merge_into_one_tune(tmp_path, capsys):
+    def sweep(name, best, variant="triton_v5"):
+        path = tmp_path / name / "results.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps({"op": "router", "variant": variant, "rows": [],
+                                    "best": best}))
+        return str(path)
+
+    warps = sweep("a", {"T=1": {"SEL_WARPS": 8}, "T=16": {}})
+    gemm = sweep("b", {"T=64": {"BLOCK_E": 32}, "T=32": {"BLOCK_E": 64}})
+    again = sweep("c", {"T=1": {"SEL_WARPS": 4}, "T=2048": {}})
+    # Buckets in token order, the defaults' buckets null, a bucket swept twice the later best.
+    assert _best().main([warps, gemm, again, str(tmp_path / "missing.json")]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"T=1": {"SEL_WARPS": 4}, "T=16": None, "T=32": {"BLOCK_E": 64},
+                               "T=64": {"BLOCK_E": 32}, "T=2048": None}
+    assert list(json.loads(out)) == ["T=1", "T=16", "T=32", "T=64", "T=2048"]
+    assert "missing.json is missing" in err
+    # Nothing to tune, or sweeps of two variants: refused.
+    assert _best().main([sweep("d", {"T=1": {}})]) == 1
+    with pytest.raises(ValueError, match="different variants"):
+        _best().main([warps, sweep("e", {"T=8": {"B": 1}}, variant="triton_v4")])
