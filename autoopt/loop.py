@@ -24,9 +24,11 @@ configs tuned for every token bucket the target serves. The end-to-end check is 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import queue
 import re
+import signal
 import threading
 import time
 from collections.abc import Mapping
@@ -248,8 +250,27 @@ def optimize(args: OptimizeArgs, console: Console | None = None,
         run_dir = runs / f"{time.strftime('%Y%m%d-%H%M%S')}-{target.name}"
         state = RunState.create(run_dir, {**dataclasses.asdict(args), "agent": name},
                                 target.name)
-    with run_log(state.run_dir / "run.log"):
+    with run_log(state.run_dir / "run.log"), sigterm_interrupts():
         return _run(args, target, agent, state, proxy_note, console, start, clock)
+
+
+@contextlib.contextmanager
+def sigterm_interrupts():
+    """SIGTERM (a batch scheduler's or `timeout`'s stop) ends the run as Ctrl-C does: the farm
+    stops its workers (a judge's worker holds GPU memory), the state says "interrupted" and the
+    log says how to resume. Only in the main thread, where Python runs signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"stopped by signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _run(args: OptimizeArgs, target: Any, agent: Any, state: RunState, proxy_note: str | None,
@@ -283,8 +304,10 @@ def _run(args: OptimizeArgs, target: Any, agent: Any, state: RunState, proxy_not
                 state.update(e2e=end_to_end(ctx, state, plan.e2e_batches, args.layers,
                                             ends["e2e"], clock))
         state.set_phase("done")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         state.set_phase("interrupted")
+        say(f"interrupted ({e or 'Ctrl-C'}): resume with autoopt optimize --resume "
+            f"{state.run_dir}")
         console.print(f"[yellow]interrupted[/]: resume with autoopt optimize --resume "
                       f"{state.run_dir}")
         raise

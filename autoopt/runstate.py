@@ -2,7 +2,8 @@
 
 Both are written after every attempt, and a proposal being evaluated waits beside its candidate
 file as `<candidate>.pending.json` until its attempt is recorded. A crash, a kill or Ctrl-C
-loses at most the time of the evaluation in flight: `autoopt optimize --resume RUN_DIR`
+(SIGTERM stops a run as Ctrl-C does: its workers stopped, its state "interrupted") loses at most
+the time of the evaluation in flight: `autoopt optimize --resume RUN_DIR`
 evaluates the pending proposals first (one interrupted twice is recorded as an error instead),
 then continues from the next op or proposal.
 """

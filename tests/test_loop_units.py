@@ -311,6 +311,32 @@ def test_gpu_target_without_gpu_is_refused_before_any_work(tmp_path):
     assert loop.default_target() == "cpu-tiny"
 
 
+def test_sigterm_stops_the_run_as_ctrl_c_does(tmp_path, monkeypatch):
+    import os
+    import signal
+    import time
+
+    st = RunState.create(tmp_path / "run", {**OptimizeArgs(e2e=False).__dict__,
+                                            "agent": "template"}, "cpu-tiny")
+    st.update(profile={"rows": [], "meaningful": False})
+    st.set_ops([{"op": "swiglu", "status": "pending", "time_us": 1.0}])
+    before = signal.getsignal(signal.SIGTERM)
+
+    def killed(*a, **kw):  # a batch scheduler's stop while an op's session runs
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler interrupts this
+        raise AssertionError("SIGTERM did not stop the run")
+
+    monkeypatch.setattr(loop, "_one_op", killed)
+    with pytest.raises(KeyboardInterrupt, match="stopped by signal"):
+        loop.optimize(OptimizeArgs(), resume=st.run_dir)
+    data = json.loads((st.run_dir / "state.json").read_text())
+    assert data["phase"] == "interrupted"
+    log = (st.run_dir / "run.log").read_text()
+    assert f"resume with autoopt optimize --resume {st.run_dir}" in log
+    assert signal.getsignal(signal.SIGTERM) == before  # restored after the run
+
+
 def test_resume_of_a_finished_run_only_rewrites_the_report(tmp_path, monkeypatch):
     st = RunState.create(tmp_path / "run", {**OptimizeArgs(e2e=False).__dict__,
                                             "agent": "template"}, "cpu-tiny")
