@@ -485,7 +485,7 @@ def _sessions(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState,
         lock = threading.Lock()
 
         def serve() -> None:
-            while True:
+            while not ctx.stopping.is_set():
                 try:
                     op = todo.get_nowait()
                 except queue.Empty:
@@ -513,18 +513,24 @@ def _sessions(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState,
                 except Exception as e:  # noqa: BLE001 - one op's failure must not end the run
                     if slots == 1:
                         raise
+                    if ctx.stopping.is_set():
+                        return  # the op stays running: --resume continues it
                     state.update_op(op, status="error", stop_reason=f"{type(e).__name__}: {e}")
                     say(f"{op}: failed: {type(e).__name__}: {e}")
 
-        if slots == 1:
-            serve()
-        else:
-            threads = [threading.Thread(target=serve, name=f"autoopt-op-{k}")
-                       for k in range(slots)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+        try:
+            if slots == 1:
+                serve()
+            else:
+                threads = [threading.Thread(target=serve, name=f"autoopt-op-{k}")
+                           for k in range(slots)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+        except BaseException:
+            ctx.stopping.set()  # before the farm closes: what fails after it is not judged
+            raise
         for line in getattr(farm, "lost", []):
             ledger.worker_lost(line)
     state.update(costs=ledger.to_json())
@@ -578,6 +584,8 @@ def _one_op(args: OptimizeArgs, agent: Any, ctx: RunContext, state: RunState, op
             t.start()
         for t in threads:
             t.join()
+    if ctx.stopping.is_set():
+        return  # stopped mid-op: it stays running, and --resume continues it
     _finish_op(state, op, results, ledger)
 
 

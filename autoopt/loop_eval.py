@@ -76,6 +76,9 @@ class RunContext:
     bench_iters: int = 50
     tune_iters: int = 20
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Set when the run is being stopped (Ctrl-C, SIGTERM): an evaluation that fails then (its
+    # farm closing) is left pending for --resume, not recorded as the candidate's error.
+    stopping: threading.Event = field(default_factory=threading.Event)
 
     @property
     def meaningful(self) -> bool:
@@ -159,6 +162,8 @@ class HarnessEvaluator:
             else:
                 detail = _reject_detail(reports)
         except Exception as e:  # noqa: BLE001 - a harness failure is recorded, never fatal
+            if self.ctx.stopping.is_set():
+                raise  # the run is stopping: the proposal stays pending
             verdict, reasons = "error", [f"harness error: {type(e).__name__}: {e}"]
         attempt = Attempt(index=index, op=self.task.op, candidate=stem, sha256=sha,
                           verdict=verdict, reasons=tuple(reasons), timings=timings,

@@ -337,6 +337,72 @@ def test_sigterm_stops_the_run_as_ctrl_c_does(tmp_path, monkeypatch):
     assert signal.getsignal(signal.SIGTERM) == before  # restored after the run
 
 
+def test_an_evaluation_failing_while_the_run_stops_stays_pending(tmp_path, monkeypatch):
+    ctx, ev = _gpu_evaluator(tmp_path, monkeypatch, cand_us=5.0)
+    recorded = []
+    ev.record = lambda *a: recorded.append(a)
+    ctx.stopping.set()  # Ctrl-C or SIGTERM: the farm is closing under the evaluation
+    ev.farm.fail = RuntimeError("farm closed")
+    with pytest.raises(RuntimeError, match="farm closed"):
+        ev.evaluate(_proposal())
+    assert recorded == []  # not the candidate's error: nothing judged it
+    assert [p.name for p in (ctx.run_dir / "ops" / "swiglu" / "candidates").glob(
+        "*.pending.json")] == ["a01_tiles.pending.json"]
+
+
+class _TwoWorkers:
+    kind, workers, lost = "fake", ["w0", "w1"], []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_a_run_stopped_with_ops_on_two_workers_leaves_them_to_resume(tmp_path, monkeypatch):
+    import os
+    import signal
+    import threading
+    import time
+
+    import autoopt.farm
+
+    ctx, _, _, _ = harness(tmp_path, "swiglu")
+    ops = ["swiglu", "rmsnorm", "logit_softcap", "attn_output_gate"]
+    st = RunState.create(tmp_path / "run", {**OptimizeArgs().__dict__, "agent": "template"},
+                         "cpu-tiny")
+    st.set_ops([{"op": op, "status": "pending"} for op in ops])
+    monkeypatch.setattr(loop, "farm_spec", lambda args, ctx: _TwoWorkers())
+    monkeypatch.setattr(autoopt.farm, "open_farm", lambda spec: spec)
+    started, both = [], threading.Barrier(2)
+
+    def one_op(args, agent, ctx, state, op, *rest, **kw):  # its evaluation, on a worker
+        state.update_op(op, status="running")
+        started.append(op)
+        if both.wait(timeout=10) == 0:
+            os.kill(os.getpid(), signal.SIGTERM)  # the run is stopped while both evaluate
+        for _ in range(1000):
+            if ctx.stopping.is_set():
+                break
+            time.sleep(0.01)
+        raise RuntimeError("farm closed")  # what their evaluations then meet
+
+    monkeypatch.setattr(loop, "_one_op", one_op)
+    with loop.sigterm_interrupts(), pytest.raises(KeyboardInterrupt):
+        loop._sessions(OptimizeArgs(), None, ctx, st, None, time.monotonic() + 1000)
+        time.sleep(30)  # not reached: the signal interrupts the join
+    for t in threading.enumerate():  # the op threads end on their own
+        if t.name.startswith("autoopt-op-"):
+            t.join(timeout=20)
+    st.reload()
+    status = {o["op"]: o["status"] for o in st.data["ops"]}
+    # The two evaluating ops stay running (not failed), the others were never started.
+    assert sorted(started) == sorted(ops[:2]) and ctx.stopping.is_set()
+    assert status == {**dict.fromkeys(ops[:2], "running"), **dict.fromkeys(ops[2:], "pending")}
+    assert st.pending_ops() == ops
+
+
 def test_resume_of_a_finished_run_only_rewrites_the_report(tmp_path, monkeypatch):
     st = RunState.create(tmp_path / "run", {**OptimizeArgs(e2e=False).__dict__,
                                             "agent": "template"}, "cpu-tiny")
