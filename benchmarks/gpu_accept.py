@@ -12,9 +12,11 @@ as its locked parts' composition: a candidate must also beat that (`x_selection`
 `gpu_kernels.py` times beside it). Nothing is accepted on evidence from another arch or another
 run's GPU. `--before-lock` first writes a lock file of the selection as it was (the lock's entries
 for `--arch`, plus `--before OP=VARIANT` pins of verified candidates), for `bench model`'s "before"
-kernel set. Prints one line per op saying what it did and why, with the accepted variant's
-standing against torch.compile where its rows timed it (not a condition: the server runs the
-reference eagerly where the lock has no variant, unless asked for `tuned+compile`).
+kernel set. A selected variant that stays selected has its configs proposed by a tune
+(`autoopt registry tune`) taken into configs/, as accepting a winner takes its own. Prints one
+line per op saying what it did and why, with the accepted variant's standing against
+torch.compile where its rows timed it (not a condition: the server runs the reference eagerly
+where the lock has no variant, unless asked for `tuned+compile`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,24 @@ def write_before_lock(reg: Registry, arch: str, path: Path, pins: list[str]) -> 
     print(f"before-lock {path}: {pinned}")
 
 
+def take_tuned(reg: Registry, op: str, current, arch: str) -> None:
+    """The selected variant's tuned configs, proposed by `autoopt registry tune` (which proposes
+    only configs verified with the file and no slower than the defaults at any bucket it timed),
+    join configs/ and the lock is pinned to them. A variant kept over the candidates is otherwise
+    left with its proposal waiting, and the served step runs its old configs."""
+    if current is None:
+        return
+    rec = reg.read_record(op, current.variant)
+    variant = reg.read_variant(op, current.variant)[0]
+    if rec is None or not rec.proposed_configs or not rec.verified(arch, variant.sha256):
+        return
+    gpus = sorted({e.key.gpu for e in rec.proposed_configs.entries})
+    writers.accept(reg, op, current.variant, arch,
+                   reason=f"its tuned configs for {', '.join(gpus)} taken (verified with them, "
+                          "no bucket slower than the defaults)")
+    print(f"{op}: took {current.variant}'s tuned configs for {', '.join(gpus)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", default="sm_90")
@@ -107,10 +127,12 @@ def main(argv: list[str] | None = None) -> int:
         if best is None:
             now = current.variant if current else "reference"
             print(f"{op}: nothing to accept (current {now})")
+            take_tuned(reg, op, current, args.arch)
             continue
         if cur_x is not None and best[0] <= cur_x:
             print(f"{op}: keep {current.variant} (x{cur_x:.2f} over the reference) over "
                   f"{best[1]} (x{best[0]:.2f})")
+            take_tuned(reg, op, current, args.arch)
             continue
         vs_compile = _vs_compile(reg.read_record(op, best[1]), args.gpu)
         writers.accept(reg, op, best[1], args.arch,

@@ -14,6 +14,9 @@
 # from a CUDA graph as served) unless STEP_SETS / PROFILE_ARGS say otherwise: the reference MoE
 # syncs with the host, so the reference set runs eagerly, at hundreds of ms per step.
 #
+# `tune` verifies and proposes the best configs of this call's sweeps (sweep, sweep2, sweep3),
+# after those of TUNE_SWEEPS (results.json files of earlier calls, carried in the tree): a bucket
+# in both takes this call's.
 # Packages the machine lacks travel as wheels: .whl/*.whl (small ones; benchmarks/gpu_wheels.py
 # fetches them), .whl-fi/*.whl
 # (FlashInfer) are installed into a scratch site directory first. nvidia-cutlass-dsl is too large
@@ -44,7 +47,7 @@ declare -A STAGES=(
   [sweep]="python3 benchmarks/config_sweep_gpu.py --out \$R/sweep \${SWEEP_ARGS:-}"
   [sweep2]="python3 benchmarks/config_sweep_gpu.py --out \$R/sweep2 \${SWEEP2_ARGS:-}"
   [sweep3]="python3 benchmarks/config_sweep_gpu.py --out \$R/sweep3 \${SWEEP3_ARGS:-}"
-  [tune]="c=\$(python3 benchmarks/sweep_best.py \$R/sweep*/results.json) && python3 -m autoopt.cli registry tune \${TUNE_ARGS:?set TUNE_ARGS, e.g. router triton_v5 --target h200-tp8-decode} --configs \"\$c\""
+  [tune]="c=\$(python3 benchmarks/sweep_best.py \${TUNE_SWEEPS:-} \$(ls \$R/sweep*/results.json 2>/dev/null)) && python3 -m autoopt.cli registry tune \${TUNE_ARGS:?set TUNE_ARGS, e.g. router triton_v5 --target h200-tp8-decode} --configs \"\$c\""
   [router]="python3 benchmarks/router_cute_gpu.py --out \$R/router \${ROUTER_ARGS:-}"
   [attention]="python3 benchmarks/attention_gpu.py --out \$R/attention \${ATTENTION_ARGS:-}"
   [eval]="python3 benchmarks/eval_harness_gpu.py --out \$R/eval \${EVAL_ARGS:-}"

@@ -116,3 +116,46 @@ def test_an_accepted_variant_says_where_it_stands_against_torch_compile(tmp_path
     assert "swiglu: accepted and locked fast_v1" in out
     assert "x0.63 over torch.compile (slower" in out
     assert "torch.compile" in reg.read_record("swiglu", "fast_v1").status_reason
+
+
+def test_a_kept_variant_takes_its_tuned_configs(tmp_path, capsys):
+    # A tune on the GPU proposes configs for the locked variant; no candidate beats it, so it is
+    # kept, and its proposal joins configs/ with the lock pinned to it (else the server would
+    # keep running the old configs while the proposal waited).
+    from model.registry.configs import ConfigTable
+
+    reg = Registry(tmp_path / "reg")
+    candidate(reg, "fast_v1", (2.0, 3.0), text="# fast\n")
+    writers.accept(reg, "swiglu", "fast_v1", ARCH)
+    pinned = reg.read_lock().section(ARCH)["swiglu"]
+    table = ConfigTable.from_json({GPU: {"*": {"T=8": {"BLOCK": 64}}}})
+    writers.tune(reg, "swiglu", "fast_v1", table, {"gpu": GPU})
+    candidate(reg, "slow_v1", (1.5, 1.5), text="# slow\n")
+    assert script().main(["--registry", str(reg.root)]) == 0
+    out = capsys.readouterr().out
+    assert "swiglu: keep fast_v1" in out and f"took fast_v1's tuned configs for {GPU}" in out
+    assert reg.read_configs("swiglu", "fast_v1").lookup(GPU, (), 8) == {"BLOCK": 64}
+    assert not reg.read_record("swiglu", "fast_v1").proposed_configs
+    entry = reg.read_lock().section(ARCH)["swiglu"]
+    assert entry.variant == "fast_v1" and entry != pinned  # pinned to the new configs
+    # Run again: nothing is proposed, nothing changes.
+    assert script().main(["--registry", str(reg.root)]) == 0
+    assert "tuned configs" not in capsys.readouterr().out
+    assert reg.read_lock().section(ARCH)["swiglu"] == entry
+
+
+def test_an_unverified_variant_s_proposal_is_not_taken(tmp_path, capsys):
+    # The file changed after its tune: its sm_90 verification names other bytes, so the lock's
+    # entry is not touched and the proposal waits for a new verification.
+    from model.registry.configs import ConfigTable
+
+    reg = Registry(tmp_path / "reg")
+    candidate(reg, "fast_v1", (2.0, 3.0), text="# fast\n")
+    writers.accept(reg, "swiglu", "fast_v1", ARCH)
+    writers.tune(reg, "swiglu", "fast_v1",
+                 ConfigTable.from_json({GPU: {"*": {"T=8": {"BLOCK": 64}}}}), {"gpu": GPU})
+    path = reg.variant_path("swiglu", "fast_v1")
+    path.write_text(path.read_text() + "# edited\n")
+    assert script().main(["--registry", str(reg.root)]) == 0
+    assert "tuned configs" not in capsys.readouterr().out
+    assert reg.read_record("swiglu", "fast_v1").proposed_configs
