@@ -136,7 +136,6 @@ class HarnessEvaluator:
         _write_json(pending, {"index": index, "candidate": stem, "resumes": resumes,
                               "proposal": proposal.to_dict()})
         sha = self.ctx.registry.sha256(path)
-        agent = str(proposal.meta.get("agent", ""))
         timings: tuple[dict, ...] = ()
         speedup, outcome, detail = None, "", ""
         try:
@@ -165,13 +164,21 @@ class HarnessEvaluator:
             if self.ctx.stopping.is_set():
                 raise  # the run is stopping: the proposal stays pending
             verdict, reasons = "error", [f"harness error: {type(e).__name__}: {e}"]
-        attempt = Attempt(index=index, op=self.task.op, candidate=stem, sha256=sha,
-                          verdict=verdict, reasons=tuple(reasons), timings=timings,
-                          speedup=speedup, meaningful=self.ctx.meaningful, outcome=outcome,
-                          agent=agent, notes=proposal.notes)
-        self.record(self.task.op, attempt, {**proposal.to_dict(), "file": str(path)})
+        attempt = self._record(proposal, index, path, sha, verdict, reasons, timings=timings,
+                               speedup=speedup, outcome=outcome)
         pending.unlink(missing_ok=True)
         return Feedback(attempt, detail)
+
+    def _record(self, proposal: Proposal, index: int, path: Path, sha: str, verdict: str,
+                reasons, *, timings: tuple[dict, ...] = (), speedup: float | None = None,
+                outcome: str = "") -> Attempt:
+        """The proposal's attempt, recorded with the proposal and its candidate file."""
+        attempt = Attempt(index=index, op=self.task.op, candidate=path.stem, sha256=sha,
+                          verdict=verdict, reasons=tuple(reasons), timings=timings,
+                          speedup=speedup, meaningful=self.ctx.meaningful, outcome=outcome,
+                          agent=str(proposal.meta.get("agent", "")), notes=proposal.notes)
+        self.record(self.task.op, attempt, {**proposal.to_dict(), "file": str(path)})
+        return attempt
 
     def resume_pending(self) -> list[Feedback]:
         """Evaluate the proposals an interrupted run left unjudged (its evaluation in flight when
@@ -179,8 +186,8 @@ class HarnessEvaluator:
         work (a model's tokens, a template's tuning) is not lost with the evaluation. One
         interrupted again is recorded as an error and not tried a third time: it may be what
         brings the run down."""
-        out = []
-        for path in sorted((self.op_dir / "candidates").glob(f"*{PENDING}"), key=_number):
+        entries = []
+        for path in (self.op_dir / "candidates").glob(f"*{PENDING}"):
             try:
                 entry = json.loads(path.read_text())
                 index, stem = int(entry["index"]), str(entry["candidate"])
@@ -191,6 +198,9 @@ class HarnessEvaluator:
                     "its proposal is not evaluated")
                 path.unlink(missing_ok=True)
                 continue
+            entries.append((index, stem, resumes, fields, source, path))
+        out = []
+        for index, stem, resumes, fields, source, path in sorted(entries, key=lambda e: e[0]):
             if any(a.index == index for a in self.task.attempts):
                 path.unlink(missing_ok=True)  # recorded just before the interruption
                 continue
@@ -200,7 +210,7 @@ class HarnessEvaluator:
                       if k in Proposal.__dataclass_fields__ and k not in ("source", "trusted")}
             proposal = Proposal(source=source, **fields)
             if resumes >= MAX_RESUMES:
-                fb = self._interrupted(proposal, index, stem, path.parent / f"{stem}.py")
+                fb = self._interrupted(proposal, index, path.parent / f"{stem}.py")
                 path.unlink(missing_ok=True)
             else:
                 say(f"  {self.task.op} #{index} {stem}: evaluating the proposal an interrupted "
@@ -210,16 +220,12 @@ class HarnessEvaluator:
             out.append(fb)
         return out
 
-    def _interrupted(self, proposal: Proposal, index: int, stem: str, path: Path) -> Feedback:
+    def _interrupted(self, proposal: Proposal, index: int, path: Path) -> Feedback:
         reason = (f"its evaluation was interrupted {MAX_RESUMES + 1} times (the run killed "
                   "while judging it): not evaluated again")
-        attempt = Attempt(index=self._index(index), op=self.task.op, candidate=stem,
-                          sha256=self.ctx.registry.sha256(path), verdict="error",
-                          reasons=(reason,), meaningful=self.ctx.meaningful,
-                          outcome="not registered: unjudged",
-                          agent=str(proposal.meta.get("agent", "")), notes=proposal.notes)
-        self.record(self.task.op, attempt, {**proposal.to_dict(), "file": str(path)})
-        return Feedback(attempt)
+        return Feedback(self._record(proposal, self._index(index), path,
+                                     self.ctx.registry.sha256(path), "error", (reason,),
+                                     outcome="not registered: unjudged"))
 
     def language(self, proposal: Proposal) -> tuple[str, str | None]:
         """(the source's declared language, why it cannot be submitted as proposed or None)."""
@@ -421,12 +427,6 @@ def _reject_detail(reports: list[dict]) -> str:
     failed = [k for k, v in reports[-1].get("checks", {}).items()
               if isinstance(v, dict) and v.get("passed") is False]
     return f"failed checks: {', '.join(failed)}" if failed else ""
-
-
-def _number(path: Path) -> tuple[int, str]:
-    """A candidate file's attempt number (a07_name... -> 7), for ordering past a99."""
-    head = path.name.split("_", 1)[0][1:]
-    return (int(head) if head.isdigit() else 0, path.name)
 
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:

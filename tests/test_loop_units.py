@@ -179,6 +179,23 @@ def test_a_proposal_interrupted_twice_is_recorded_as_an_error_not_run_again(tmp_
     assert not list((ctx.run_dir / "ops" / "swiglu" / "candidates").glob("*.pending.json"))
 
 
+def test_pending_proposals_are_judged_in_the_order_they_were_numbered(tmp_path, monkeypatch):
+    # Two left pending (ops on two threads can leave several): #99 before #100, although
+    # "a100_..." sorts before "a99_..." by name; the numbers are the files' own.
+    ctx, ev, again, recorded = _killed_mid_evaluation(tmp_path, monkeypatch)
+    cands = ctx.run_dir / "ops" / "swiglu" / "candidates"
+    entry = json.loads((cands / "a01_tiles.pending.json").read_text())
+    (cands / "a01_tiles.pending.json").unlink()
+    for index in (100, 99):
+        (cands / f"a{index}_tiles.py").write_text(_proposal().source)
+        (cands / f"a{index}_tiles.pending.json").write_text(
+            json.dumps({**entry, "index": index, "candidate": f"a{index}_tiles"}))
+    got = [(fb.attempt.index, fb.attempt.candidate) for fb in again.resume_pending()]
+    assert got == [(99, "a99_tiles"), (100, "a100_tiles")]
+    assert not list(cands.glob("*.pending.json"))
+    assert again.evaluate(_proposal()).attempt.index == 101
+
+
 def test_pending_proposals_already_recorded_or_unreadable_are_dropped(tmp_path, monkeypatch):
     ctx, ev, again, recorded = _killed_mid_evaluation(tmp_path, monkeypatch)
     cands = ctx.run_dir / "ops" / "swiglu" / "candidates"
