@@ -397,7 +397,7 @@ def test_v4_default_buckets(v4):
         assert all(v in v4.CONFIG_SPACE[k] for k, v in cfg.items()), (t, cfg)
 
 
-# --- triton_v5: triton_v4 with the FP32 GEMM from 17 tokens as three exact BF16 products ----
+# --- triton_v5: triton_v4 with the FP32 GEMM from 5 tokens as three exact BF16 products -----
 
 _SPLIT3 = _v5_split3 = None
 
@@ -488,9 +488,9 @@ def test_v5_tensor_core_logits_are_exact_products(v5, cfg):
     assert torch.equal(_v5_logits(v5, h, w, cfg), exact)
 
 
-@pytest.mark.parametrize("t,seed", [(17, 0), (33, 1), (70, 2)])
+@pytest.mark.parametrize("t,seed", [(5, 3), (17, 0), (33, 1), (70, 2)])
 def test_v5_real_width_with_its_tensor_core_gemm(v5, t, seed):
-    # The default from 17 tokens (the top-k selection to 64, the rounds above) over H = 5120.
+    # The default from 5 tokens (the top-k selection to 64, the rounds above) over H = 5120.
     args = C.make_inputs({"T": t, **REAL}, seed)
     assert v5.default_config(t)["GEMM"] == "bf16x3"
     check(args, v5.run(*args))
@@ -536,12 +536,13 @@ def test_v5_is_bitwise_v4_with_the_same_gemm(v4, v5, t, seed):
 
 
 def test_v5_default_buckets(v5):
-    # triton_v4's GEMV to 16 tokens; the three-term tiles from 17, prefill included: two kernels
-    # at every T.
-    assert [v5.default_config(t)["GEMM"] for t in (1, 2, 4, 8, 16, 17, 64, 65, 2048)] == \
-        ["fma"] * 5 + ["bf16x3"] * 4
+    # triton_v4's GEMV to 4 tokens; the three-term tiles from 5, prefill included: two kernels
+    # at every T. Token tiles cover each bucket's T (one token tile to 64).
+    ts = (1, 2, 4, 5, 8, 16, 17, 32, 33, 64, 65, 2048)
+    assert [v5.default_config(t)["GEMM"] for t in ts] == ["fma"] * 3 + ["bf16x3"] * 9
+    assert all(v5.default_config(t)["BLOCK_T"] >= t for t in ts if t <= 64)
     assert v5.default_config(64)["SEL"] == "topk" and v5.default_config(65)["SEL"] == "rounds"
-    for t in (1, 2, 4, 8, 16, 17, 32, 64, 2048):
+    for t in ts:
         cfg = v5.default_config(t)
         assert all(v in v5.CONFIG_SPACE[k] for k, v in cfg.items()), (t, cfg)
 
@@ -716,7 +717,7 @@ def test_gpu_v5_tensor_core_logits_are_exact_products(v5, cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [32, 2048])
+@pytest.mark.parametrize("t", [8, 32, 2048])
 def test_gpu_v5_logits_are_unbiased(v5, t):
     # Tensor cores need not round their FP32 sums to nearest; each K step's sum is added to the
     # total in FP32 on the CUDA cores so that their rounding cannot pile up across K
@@ -732,7 +733,7 @@ def test_gpu_v5_logits_are_unbiased(v5, t):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [32, 2048])
+@pytest.mark.parametrize("t", [8, 32, 2048])
 def test_gpu_v5_pdl_under_graphs_is_bitwise_without_pdl(v5, t):
     # The three-term tiles and the selection under a CUDA graph with PDL: the same bits as
     # launched plainly without it.
