@@ -124,7 +124,8 @@ def tune(
 ) -> None:
     """Propose tuned configs for a recorded variant on this GPU: verified with them (each call
     gets its bucket's), each bucket timed with its config beside the default; written to the
-    record only if it passes and, on a GPU, no config is slower. Exit 1 otherwise."""
+    record if it passes, where on a GPU a config slower than the default is proposed as the
+    default there. Exit 1 when nothing is written."""
     import json
 
     from model.registry import RegistryError

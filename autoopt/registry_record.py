@@ -162,8 +162,9 @@ def tune_variant(reg: Registry, args: TuneArgs) -> tuple[Record | None, dict, li
     """Verify a recorded variant with a config per token bucket (each call gets its nearest
     bucket's, as serving picks), time each bucket's shape with its config beside the default,
     and propose the configs in the record (`accept` moves them to configs/ and the lock pins
-    them). Nothing is written when the judge rejects it, or on a GPU when a config is slower
-    than the default at its own bucket. Returns (record or None, report, rows, what happened)."""
+    them). On a GPU a config slower than the default at its own shape is proposed as the
+    default there ({}), and said so. Nothing is written when the judge rejects the configs, or
+    when no config is left faster. Returns (record or None, report, rows, what happened)."""
     from autoopt.eval.commands import resolve_device
     from autoopt.eval.run import PerBucket
     from model.registry.configs import ConfigTable, parse_bucket
@@ -210,13 +211,18 @@ def tune_variant(reg: Registry, args: TuneArgs) -> tuple[Record | None, dict, li
     meaningful = all(r.get("meaningful") for r in rows)
     # A null bucket hands the calls nearest it back to the file's defaults (it bounds the tuned
     # configs below it): its two rows run the same config, so their order is noise, not a verdict.
-    slower = [f"T={r['shape']['T']}: {r['median_us']:.2f} us tuned against {d['median_us']:.2f}"
-              for (n, _), d, r in zip(shapes, rows[::2], rows[1::2], strict=True)
-              if per_token[n] and r["median_us"] > d["median_us"]]
-    if meaningful and slower:
-        return None, report, rows, ("a tuned config is slower than the default at its own bucket "
-                                    f"({'; '.join(slower)}): nothing written")
-    tuned = [r for r in rows if r["label"] == "tuned"]
+    # A config slower than the defaults at its own shape is not proposed there: that shape keeps
+    # the defaults ({}), and the other buckets' wins stand. Nothing is written when none is left.
+    slower = [i for i, ((n, _), d, r) in enumerate(zip(shapes, rows[::2], rows[1::2],
+                                                        strict=True))
+              if meaningful and per_token[n] and r["median_us"] > d["median_us"]]
+    said = [f"T={rows[2 * i + 1]['shape']['T']}: {rows[2 * i + 1]['median_us']:.2f} us tuned "
+            f"against {rows[2 * i]['median_us']:.2f}" for i in slower]
+    if slower and all(not per_token[n] or i in slower for i, (n, _) in enumerate(shapes)):
+        return None, report, rows, ("no tuned config is faster than the defaults at its own "
+                                    f"bucket ({'; '.join(said)}): nothing written")
+    tuned = [{**r, "config": {}} if i in slower else r
+             for i, r in enumerate(x for x in rows if x["label"] == "tuned")]
     gpu = tuned[0].get("gpu") or "cpu"
     table = ConfigTable.from_rows(args.op, gpu, tuned)
     from autoopt.review import slim_report
@@ -225,12 +231,14 @@ def tune_variant(reg: Registry, args: TuneArgs) -> tuple[Record | None, dict, li
     rec = writers.tune(reg, args.op, args.variant, table, {
         "gpu": gpu, "device": device, "target": args.target, "speed_judged": meaningful,
         "source": args.source, "verification": [slim_report(report)], "benchmarks": rows,
-        **({"outside_config_space": outside} if outside else {})})
+        **({"outside_config_space": outside} if outside else {}),
+        **({"kept_defaults": said} if said else {})})
     why = "" if meaningful else " (timings not meaningful here: speed not judged)"
     beyond = (f"; beyond the file's CONFIG_SPACE (verified as given): {', '.join(outside)}"
               if outside else "")
+    kept = (f"; kept at the defaults, slower tuned ({'; '.join(said)})" if said else "")
     return rec, report, rows, (f"proposed configs for {gpu}{why}; `accept` moves them to "
-                               f"configs/{beyond}")
+                               f"configs/{beyond}{kept}")
 
 
 def outside_space(source: str, per_token: Mapping[int, Mapping | None]) -> list[str]:

@@ -163,8 +163,8 @@ def test_tune_says_which_values_lie_beyond_the_declared_space(tmp_path):
 
 
 def test_tune_judges_speed_only_where_a_bucket_has_a_config(tmp_path, monkeypatch):
-    # Timings that count (as on a GPU): a tuned config slower than the default writes nothing,
-    # but a null bucket (the file's defaults, bounding the configs below it) runs the same
+    # Timings that count (as on a GPU): a tuned config slower than the default is not proposed
+    # (nothing is written when no config is left), but a null bucket (the file's defaults, bounding the configs below it) runs the same
     # config twice, so its order is noise and is not held against the proposal.
     import autoopt.eval as ev
     from autoopt.registry_record import TuneArgs, tune_variant
@@ -194,9 +194,19 @@ def test_tune_judges_speed_only_where_a_bucket_has_a_config(tmp_path, monkeypatc
     rec, _, rows, what = tune_variant(reg, args)
     assert rec is not None and "proposed" in what, what
     assert [r["median_us"] for r in rows] == [10.0, 8.0, 4.9, 5.0]
-    speed.update({1: [10.0, 11.0], 4: [5.0, 5.0]})  # a real config slower: nothing written
+    speed.update({1: [10.0, 11.0], 4: [5.0, 5.0]})  # the only config slower: nothing written
     rec, _, _, what = tune_variant(reg, args)
     assert rec is None and "T=1: 11.00 us tuned against 10.00" in what, what
+    assert "nothing written" in what
+    # Two configs, one slower: that bucket is proposed as the defaults, the other stands.
+    args = TuneArgs("swiglu", "tri", {"T=1": {"BLOCK": 256}, "T=8": {"BLOCK": 512}}, "cpu", 0)
+    speed.update({1: [10.0, 10.1], 8: [20.0, 15.0]})
+    rec, _, rows, what = tune_variant(reg, args)
+    assert rec is not None and "kept at the defaults, slower tuned (T=1: 10.10 us" in what, what
+    proposed = {e.key.bucket: e.config for e in rec.proposed_configs.entries}
+    assert proposed == {1: {}, 8: {"BLOCK": 512}}
+    assert list(rec.tunings[-1]["kept_defaults"]) == ["T=1: 10.10 us tuned against 10.00"]
+    assert [r["config"] for r in rows] == [{}, {"BLOCK": 256}, {}, {"BLOCK": 512}]
 
 
 def test_tune_writes_nothing_when_the_judge_rejects_the_configs(tmp_path):
