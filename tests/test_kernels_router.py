@@ -28,7 +28,7 @@ C = CONTRACTS["router"]
 REAL = {"H": 5120, "E": 256, "n_group": 8, "topk_group": 4, "top_k": 8}
 
 
-VARIANTS = ["triton_v1", "triton_v2", "triton_v3", "triton_v4", "triton_v5"]
+VARIANTS = ["triton_v1", "triton_v2", "triton_v3", "triton_v4", "triton_v5", "triton_v6"]
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
@@ -60,6 +60,11 @@ def v4():
 @pytest.fixture(scope="module")
 def v5():
     return Registry().load_variant("router", "triton_v5")
+
+
+@pytest.fixture(scope="module")
+def v6():
+    return Registry().load_variant("router", "triton_v6")
 
 
 def check(args: tuple, got: tuple, ref: tuple | None = None) -> list[dict]:
@@ -397,7 +402,7 @@ def test_v4_default_buckets(v4):
         assert all(v in v4.CONFIG_SPACE[k] for k, v in cfg.items()), (t, cfg)
 
 
-# --- triton_v5: triton_v4 with the FP32 GEMM from 5 tokens as three exact BF16 products -----
+# --- triton_v5: triton_v4 with the FP32 GEMM from 17 tokens as three exact BF16 products ----
 
 _SPLIT3 = _v5_split3 = None
 
@@ -488,9 +493,9 @@ def test_v5_tensor_core_logits_are_exact_products(v5, cfg):
     assert torch.equal(_v5_logits(v5, h, w, cfg), exact)
 
 
-@pytest.mark.parametrize("t,seed", [(5, 3), (17, 0), (33, 1), (70, 2)])
+@pytest.mark.parametrize("t,seed", [(17, 0), (33, 1), (70, 2)])
 def test_v5_real_width_with_its_tensor_core_gemm(v5, t, seed):
-    # The default from 5 tokens (the top-k selection to 64, the rounds above) over H = 5120.
+    # The default from 17 tokens (the top-k selection to 64, the rounds above) over H = 5120.
     args = C.make_inputs({"T": t, **REAL}, seed)
     assert v5.default_config(t)["GEMM"] == "bf16x3"
     check(args, v5.run(*args))
@@ -536,18 +541,49 @@ def test_v5_is_bitwise_v4_with_the_same_gemm(v4, v5, t, seed):
 
 
 def test_v5_default_buckets(v5):
-    # triton_v4's GEMV to 4 tokens; the three-term tiles from 5, prefill included: two kernels
-    # at every T. Token tiles cover each bucket's T (one token tile to 64).
-    ts = (1, 2, 4, 5, 8, 16, 17, 32, 33, 64, 65, 2048)
-    assert [v5.default_config(t)["GEMM"] for t in ts] == ["fma"] * 3 + ["bf16x3"] * 9
-    assert all(v5.default_config(t)["BLOCK_T"] >= t for t in ts if t <= 64)
+    # triton_v4's GEMV to 16 tokens; the three-term tiles from 17, prefill included: two kernels
+    # at every T.
+    assert [v5.default_config(t)["GEMM"] for t in (1, 2, 4, 8, 16, 17, 64, 65, 2048)] == \
+        ["fma"] * 5 + ["bf16x3"] * 4
     assert v5.default_config(64)["SEL"] == "topk" and v5.default_config(65)["SEL"] == "rounds"
-    for t in ts:
+    for t in (1, 2, 4, 8, 16, 17, 32, 64, 2048):
         cfg = v5.default_config(t)
         assert all(v in v5.CONFIG_SPACE[k] for k, v in cfg.items()), (t, cfg)
 
 
-@pytest.mark.parametrize("variant", ["triton_v2", "triton_v4", "triton_v5"])
+# --- triton_v6: triton_v5 with the three-term tiles from 5 tokens as its defaults -----------
+def test_v6_default_buckets(v6):
+    # triton_v4's GEMV to 4 tokens; the three-term tiles from 5, 16 x 32 to 16 tokens and
+    # 32 x 64 to 32; each token tile covers its bucket's T up to 64; two kernels at every T.
+    ts = (1, 2, 4, 5, 8, 16, 17, 32, 33, 64, 65, 2048)
+    assert [v6.default_config(t)["GEMM"] for t in ts] == ["fma"] * 3 + ["bf16x3"] * 9
+    assert all(v6.default_config(t)["BLOCK_T"] >= t for t in ts if t <= 64)
+    assert (v6.default_config(8)["BLOCK_E"], v6.default_config(8)["BLOCK_K"]) == (32, 128)
+    assert (v6.default_config(32)["BLOCK_E"], v6.default_config(32)["BLOCK_K"]) == (64, 64)
+    assert v6.default_config(64)["SEL"] == "topk" and v6.default_config(65)["SEL"] == "rounds"
+    for t in ts:
+        cfg = v6.default_config(t)
+        assert all(v in v6.CONFIG_SPACE[k] for k, v in cfg.items()), (t, cfg)
+    # Only the defaults moved: from 65 tokens, and to 4, they are triton_v5's.
+    v5 = Registry().load_variant("router", "triton_v5")
+    for t in (1, 2, 4, 33, 64, 65, 2048):
+        assert v6.default_config(t) == v5.default_config(t), t
+
+
+@pytest.mark.parametrize("t,seed", [(5, 3), (8, 0), (16, 1), (24, 2)])
+def test_v6_is_triton_v5_with_other_defaults(v5, v6, t, seed):
+    # At its own defaults (the three-term tiles from 5 tokens): within policy at the real
+    # width, and bit for bit triton_v5 given the same config.
+    args = C.make_inputs({"T": t, **REAL}, seed)
+    cfg = v6.default_config(t)
+    assert cfg != v5.default_config(t) and cfg["GEMM"] == "bf16x3"
+    w6, i6 = v6.run(*args)
+    check(args, (w6, i6))
+    w5, i5 = v5.run(*args, config=cfg)
+    assert torch.equal(i6, i5) and torch.equal(w6.view(torch.int32), w5.view(torch.int32))
+
+
+@pytest.mark.parametrize("variant", ["triton_v2", "triton_v4", "triton_v5", "triton_v6"])
 def test_correction_biases_below_minus_two(variant):
     # Every c = s + bias below -2: the masked and already-taken experts must stay below every
     # real key (the contract's `negative_bias` edge case, which the judge runs). triton_v1 and
@@ -557,7 +593,7 @@ def test_correction_biases_below_minus_two(variant):
     args = C.make_inputs({"T": 3, "H": 64, "E": 256, "bias_offset": -4}, 5)
     ref = C.reference(*args)
     check(args, mod.run(*args), ref)
-    if variant in ("triton_v4", "triton_v5"):
+    if variant in ("triton_v4", "triton_v5", "triton_v6"):
         check(args, mod.run(*args, config={"SEL": "rounds"}), ref)
     v1 = Registry().load_variant("router", "triton_v1")
     assert not torch.equal(v1.run(*args)[1], ref[1])
@@ -716,15 +752,20 @@ def test_gpu_v5_tensor_core_logits_are_exact_products(v5, cfg):
     assert torch.equal(got, exact)
 
 
+# The three-term tiles at triton_v5's defaults, and at triton_v6's from 5 tokens.
+TC_DEFAULTS = [("triton_v5", 32), ("triton_v5", 2048), ("triton_v6", 8)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [8, 32, 2048])
-def test_gpu_v5_logits_are_unbiased(v5, t):
+@pytest.mark.parametrize("name,t", TC_DEFAULTS)
+def test_gpu_three_term_logits_are_unbiased(name, t):
     # Tensor cores need not round their FP32 sums to nearest; each K step's sum is added to the
     # total in FP32 on the CUDA cores so that their rounding cannot pile up across K
     # (benchmarks/router_tc_rounding.py: one accumulator would fail the policy). Measured against
     # the FP64 logits in ulps of the sum of |products|, toward each logit's sign.
+    mod = Registry().load_variant("router", name)
     h, w = _gpu_args(t, 6)[:2]
-    got = _v5_logits(v5, h, w, v5.default_config(t), device="cuda").cpu()
+    got = _v5_logits(mod, h, w, mod.default_config(t), device="cuda").cpu()
     hd, wd = h.double().cpu(), w.double().cpu()
     exact, scale = hd @ wd.T, hd.abs() @ wd.abs().T
     ulp = torch.from_numpy(np.spacing(scale.float().numpy())).double()
@@ -733,22 +774,23 @@ def test_gpu_v5_logits_are_unbiased(v5, t):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [8, 32, 2048])
-def test_gpu_v5_pdl_under_graphs_is_bitwise_without_pdl(v5, t):
+@pytest.mark.parametrize("name,t", TC_DEFAULTS)
+def test_gpu_three_term_pdl_under_graphs_is_bitwise_without_pdl(name, t):
     # The three-term tiles and the selection under a CUDA graph with PDL: the same bits as
     # launched plainly without it.
+    mod = Registry().load_variant("router", name)
     h, w, b, ng, tg, k = _gpu_args(t, 5)
     src = torch.randn_like(h)
-    cfg = v5.default_config(t)
-    plain = v5.run(h, w, b, ng, tg, k, config={**cfg, "PDL": 0})
+    cfg = mod.default_config(t)
+    plain = mod.run(h, w, b, ng, tg, k, config={**cfg, "PDL": 0})
     check((h, w, b, ng, tg, k), plain)
     hh = torch.empty_like(h)
-    v5.run(hh.copy_(src), w, b, ng, tg, k, config=cfg)  # compiles outside the capture
+    mod.run(hh.copy_(src), w, b, ng, tg, k, config=cfg)  # compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         hh.copy_(src)
-        out = v5.run(hh, w, b, ng, tg, k, config=cfg)
+        out = mod.run(hh, w, b, ng, tg, k, config=cfg)
     src.copy_(h)
     for _ in range(3):
         graph.replay()
@@ -841,6 +883,7 @@ def test_template_and_hand_written_variants_compile_for_sm90(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.count("ok") == 7, res.stderr[-3000:]
     for path, which, n in ((ROOT / "kernels" / "router" / "triton_v5.py", "v5", 5),
+                           (ROOT / "kernels" / "router" / "triton_v6.py", "v5", 5),
                            (rendered, "template", 2)):
         res = subprocess.run([sys.executable, "-c", _SM90_TC, str(path), which], env=env,
                              capture_output=True, text=True, timeout=600)

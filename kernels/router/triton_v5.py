@@ -1,5 +1,5 @@
-"""router triton_v5 (hand-written): triton_v4 (a GEMV, a bitonic top-k selection within warps),
-with the FP32 GEMM from 5 tokens on BF16 tensor cores, exactly.
+"""router triton_v5 (hand-written): triton_v4 (a GEMV to 16 tokens, a bitonic top-k selection
+within warps), with the FP32 GEMM from 17 tokens on BF16 tensor cores, exactly.
 
 From 17 to 64 tokens triton_v4 computes the logits with FP32 FMAs (`tl.dot`, IEEE), above 64 with
 a cast and cuBLAS's FP32 GEMM (three kernels): either way at the CUDA cores' FP32 rate, 5.4 GFLOP
@@ -405,7 +405,7 @@ def _check(h, weight, bias, n_group: int, topk_group: int, top_k: int) -> None:
 
 
 def default_config(t: int) -> dict:
-    """triton_v4's GEMV tiles up to 4 tokens; from 5 the three-term BF16 tiles (tokens x 32 or 64
+    """triton_v4's GEMV tiles up to 16 tokens; from 17 the three-term BF16 tiles (tokens x 32
     experts x 256-deep K slices to 64 tokens, 64 x 128 tiles in 4 K slices above), on a GPU and on
     the CPU alike; the top-k selection on 8 warps, one program a token, up to 64 tokens, the
     rounds (one warp a token) above; PDL on a GPU (`router_fwd` drops it elsewhere)."""
@@ -418,15 +418,11 @@ def default_config(t: int) -> dict:
         return {**base, "BLOCK_T": 2, "BLOCK_E": 4}
     if t <= 4:  # 640 two-warp programs of one 256-wide step
         return {**base, "BLOCK_T": 4, "num_warps": 2}
-    if t <= 16:  # 16 x 32 tiles, 20 K slices of 128-deep steps: 160 programs
-        return {**base, "GEMM": "bf16x3", "BLOCK_T": 16, "BLOCK_E": 32, "BLOCK_K": 128,
-                "num_warps": 4}
-    if t <= 32:  # 32 x 64 tiles, 20 K slices: 80 programs
-        return {**base, "GEMM": "bf16x3", "BLOCK_T": 32, "BLOCK_E": 64, "BLOCK_K": 64,
-                "num_warps": 4}
+    if t <= 16:  # 1280 programs of 4 experts
+        return {**base, "BLOCK_T": 16, "BLOCK_E": 4, "BLOCK_K": 128, "num_warps": 2}
     if t <= 64:  # 8 expert tiles x 20 K slices: 160 programs, the weight read once
-        return {**base, "GEMM": "bf16x3", "BLOCK_T": 64, "BLOCK_E": 32, "BLOCK_K": 64,
-                "num_warps": 4}
+        return {**base, "GEMM": "bf16x3", "BLOCK_T": max(16, min(64, triton.next_power_of_2(t))),
+                "BLOCK_E": 32, "BLOCK_K": 64, "num_warps": 4}
     # 64 x 128 tiles, 4 K slices: 128 programs at T = 1024, 256 at 2048; h read twice (from L2)
     return {**base, "GEMM": "bf16x3", "BLOCK_T": 64, "BLOCK_E": 128, "BLOCK_K": 64, "SPLIT_K": 4,
             "num_warps": 4, "num_stages": 3, "SEL": "rounds", "SEL_WARPS": 1}
